@@ -1,0 +1,32 @@
+# The course in two commands:  make lab   (learn)   and   make test   (what CI runs).
+# Both create .venv and install the course into it the first time.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+# JupyterLab listens on this machine only unless told otherwise: make lab LAB_IP=0.0.0.0
+LAB_IP   ?= 127.0.0.1
+LAB_PORT ?= 8888
+# Tests use the synthetic digits: same data on every machine, no download.
+export SPIKE_COURSE_DATA ?= synthetic
+
+.PHONY: lab test exercises html clean
+
+$(BIN)/spike-course: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e ".[test]"
+	touch $@
+
+lab: $(BIN)/spike-course
+	$(BIN)/spike-course lab --ip $(LAB_IP) --port $(LAB_PORT)
+
+test: $(BIN)/spike-course
+	$(BIN)/spike-course exercises --check
+	$(BIN)/python -m pytest
+
+exercises: $(BIN)/spike-course
+	$(BIN)/spike-course exercises
+
+clean:
+	rm -rf notebooks/workers solutions/workers exercises/workers notebooks/data solutions/data exercises/data _build

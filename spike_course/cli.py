@@ -1,0 +1,146 @@
+"""The ``spike-course`` command: lab, doctor, exercises, run.
+
+    spike-course lab [--ip 127.0.0.1] [--port 8888]   JupyterLab on the course, token on
+    spike-course doctor                               what this machine can do for the course
+    spike-course exercises [--check]                  write exercises/ from solutions/ (or check)
+    spike-course run NOTEBOOK [-o OUT]                execute a notebook headless, keep the copy
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT_MARKERS = ("pyproject.toml", "notebooks")
+
+
+def course_root() -> Path:
+    """The course checkout: the current folder or the one above it holding notebooks/."""
+    here = Path.cwd()
+    for folder in (here, *here.parents):
+        if all((folder / marker).exists() for marker in ROOT_MARKERS):
+            return folder
+    return here
+
+
+def cmd_lab(args) -> int:
+    root = course_root()
+    command = [sys.executable, "-m", "jupyterlab", f"--ServerApp.ip={args.ip}",
+               f"--ServerApp.port={args.port}", f"--ServerApp.root_dir={root}",
+               f"--ServerApp.open_browser={not args.no_browser}"]
+    if args.token:  # otherwise JupyterLab makes a random token and prints the URL with it
+        command.append(f"--IdentityProvider.token={args.token}")
+    if args.ip not in ("127.0.0.1", "localhost"):
+        print(f"warning: JupyterLab will listen on {args.ip}, reachable from other machines; "
+              "it still asks for its token", file=sys.stderr)
+    return subprocess.call(command)
+
+
+def doctor_lines() -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from .data import data_source
+
+    lines = [f"python            {platform.python_version()} ({sys.executable})",
+             f"torch             {torch.__version__}"]
+    if torch.cuda.is_available():
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        lines.append(f"cuda              {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): {names}")
+    else:
+        lines.append("cuda              no GPU visible: the course runs on the CPU with gloo")
+    lines.append(f"gloo              {'available' if dist.is_gloo_available() else 'MISSING'}")
+    lines.append(f"nccl              {'available' if dist.is_nccl_available() else 'not available'}"
+                 + ("" if torch.cuda.is_available() else " (needs CUDA GPUs anyway)"))
+    lines.append(f"cpu cores         {os.cpu_count()}")
+    lines.append(f"data              {data_source()}")
+    for module, what in (("jupyterlab", "jupyterlab"), ("ipywidgets", "ipywidgets"),
+                         ("jupyterlab_widgets", "widgets extension")):
+        found = importlib.util.find_spec(module) is not None
+        version = ""
+        if found:
+            try:
+                version = " " + __import__(module).__version__
+            except Exception:  # a module without __version__ is still installed
+                pass
+        lines.append(f"{what:<17} {'installed' + version if found else 'MISSING: pip install ' + module}")
+    return lines
+
+
+def cmd_doctor(args) -> int:
+    for line in doctor_lines():
+        print(line)
+    return 0
+
+
+def cmd_exercises(args) -> int:
+    from . import exercises
+
+    root = course_root()
+    solutions, target = root / "solutions", root / "exercises"
+    if args.check:
+        problems = exercises.drift(solutions, target)
+        for problem in problems:
+            print(problem)
+        if problems:
+            print("run `spike-course exercises` and commit the result")
+            return 1
+        print("exercises/ is in sync with solutions/")
+        return 0
+    for path in exercises.generate(solutions, target):
+        print(f"wrote {path.relative_to(root)}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = Path(args.notebook)
+    if not path.is_file():
+        print(f"no notebook at {path}", file=sys.stderr)
+        return 2
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, timeout=args.timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    out = Path(args.output) if args.output else path.with_name(path.stem + ".executed.ipynb")
+    try:
+        client.execute()
+        status = 0
+    except Exception as error:  # the executed copy still shows where it stopped
+        print(f"{path}: {type(error).__name__}: {str(error)[-2000:]}", file=sys.stderr)
+        status = 1
+    nbformat.write(notebook, out)
+    print(f"wrote {out}")
+    return status
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="spike-course", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    lab = commands.add_parser("lab", help="start JupyterLab on the course")
+    lab.add_argument("--ip", default="127.0.0.1", help="address to listen on (default: localhost only)")
+    lab.add_argument("--port", type=int, default=8888)
+    lab.add_argument("--token", default=None, help="fixed token (default: JupyterLab makes one)")
+    lab.add_argument("--no-browser", action="store_true")
+    lab.set_defaults(func=cmd_lab)
+    commands.add_parser("doctor", help="check this machine for the course").set_defaults(func=cmd_doctor)
+    exercises = commands.add_parser("exercises", help="write exercises/ from solutions/")
+    exercises.add_argument("--check", action="store_true", help="only check that they are in sync")
+    exercises.set_defaults(func=cmd_exercises)
+    run = commands.add_parser("run", help="execute a notebook headless and write the executed copy")
+    run.add_argument("notebook")
+    run.add_argument("-o", "--output", help="where to write it (default: NAME.executed.ipynb)")
+    run.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    run.set_defaults(func=cmd_run)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""Start N ranks of a worker script from a notebook or a shell, and collect what they say.
+
+Two ways to start the ranks:
+
+* ``launcher="spawn"`` (the default) starts ``nproc`` plain ``python script.py``
+  processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, exactly
+  the variables torchrun would set. The parent never imports torch, so it is fast.
+* ``launcher="torchrun"`` runs ``python -m torch.distributed.run`` with ``--standalone``
+  or with the rendezvous options you pass (``nnodes``, ``max_restarts``, ``rdzv_backend``,
+  ``rdzv_endpoint``, ...), which is how the same script is started on a cluster.
+
+Either way the output of every rank streams into the cell, one whole line at a time,
+tagged with its rank; whatever a rank passes to ``spike_course.runtime.report`` comes
+back in ``result.results[rank]``; and no child process outlives the call: a failing
+rank, a timeout or an interrupted cell stops the whole process tree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import re
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from .progress import ProgressView
+
+# Environment variables shared with spike_course.runtime (which runs inside the ranks).
+RESULTS_DIR_ENV = "SPIKE_COURSE_RESULTS_DIR"
+PARENT_PID_ENV = "SPIKE_COURSE_PARENT_PID"
+
+LAUNCHERS = ("spawn", "torchrun")
+TAIL_LINES = 25
+
+# torchrun's --tee prefixes each worker line with "[<role><local_rank>]:", or with
+# "[<role><local_rank>]:[rank<global_rank>]:" once the workers' ranks are known.
+_TORCHRUN_LINE = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:(?:\[rank(\d+)\]: ?)?(.*)$")
+# torch itself prefixes the errors it prints with "[rank<N>]: "; our tag already says it.
+_TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+# torchrun's failure summary: "rank      : 1 (local_rank: 1)" followed by "exitcode  : 1".
+_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+class LaunchError(RuntimeError):
+    """A launch that did not end with every rank exiting 0."""
+
+    def __init__(self, message: str, rank: int | None = None, exit_code: int | None = None,
+                 result: "LaunchResult | None" = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+        self.result = result
+
+
+@dataclass
+class LaunchResult:
+    """What a launch gave back. ``results[r]`` is what rank r reported."""
+
+    nproc: int
+    returncodes: dict = field(default_factory=dict)
+    results: dict = field(default_factory=dict)
+    output: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return (not self.timed_out and len(self.returncodes) > 0
+                and all(code == 0 for code in self.returncodes.values()))
+
+    def __repr__(self) -> str:
+        state = "ok" if self.ok else "FAILED"
+        return f"<LaunchResult {state}: {self.nproc} ranks in {self.seconds:.1f} s, results from ranks {sorted(self.results)}>"
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, so that two launches never collide."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(script, nproc: int = 2, args=(), *, launcher: str = "spawn", timeout: float | None = 300,
+           env: dict | None = None, omp_threads: int | None = None, echo: bool = True,
+           check: bool = True, progress: bool = True, python: str | None = None,
+           **torchrun_options) -> LaunchResult:
+    """Run ``script`` on ``nproc`` ranks and wait for all of them.
+
+    ``args`` are passed to every rank's ``sys.argv``. ``timeout`` (seconds, None for no
+    limit) bounds the whole run. ``echo=False`` keeps the output quiet but still
+    collects it. With ``check=True`` a failure raises :class:`LaunchError`; with
+    ``check=False`` it is returned and ``result.ok`` is False. Keyword options left
+    over (``nnodes="1:2"``, ``max_restarts=1``, ``rdzv_backend="c10d"``, ...) go to
+    torchrun as ``--nnodes 1:2 --max-restarts 1 ...`` and need ``launcher="torchrun"``.
+    """
+    script = Path(script)
+    if not script.is_file():
+        raise FileNotFoundError(
+            f"worker script {str(script)!r} does not exist (looked in {os.getcwd()}). "
+            "Run the %%writefile cell that creates it first, or fix the path.")
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"nproc must be a whole number of ranks >= 1, got {nproc!r}")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
+    if torchrun_options and launcher != "torchrun":
+        raise ValueError(f"options {sorted(torchrun_options)} are torchrun options: "
+                         "pass launcher='torchrun' to use them")
+    args = [str(a) for a in ([args] if isinstance(args, str) else args)]
+
+    results_dir = Path(tempfile.mkdtemp(prefix="spike_course_results_"))
+    child_env = _child_env(env, nproc, omp_threads, results_dir)
+    python = python or sys.executable
+    if launcher == "spawn":
+        commands = {rank: [python, "-u", str(script), *args] for rank in range(nproc)}
+        rank_envs = {rank: _rank_env(rank, nproc) for rank in range(nproc)}
+        port = str(free_port())
+        for rank_env in rank_envs.values():
+            rank_env["MASTER_PORT"] = port
+    else:
+        commands = {"torchrun": [python, "-m", "torch.distributed.run",
+                                 *_torchrun_flags(nproc, torchrun_options), str(script), *args]}
+        rank_envs = {"torchrun": {}}
+
+    result = LaunchResult(nproc=nproc, output={rank: [] for rank in range(nproc)})
+    view = ProgressView(nproc, results_dir, enabled=progress)
+    started = time.perf_counter()
+    processes = {}
+    try:
+        for key, command in commands.items():
+            processes[key] = subprocess.Popen(
+                command, env={**child_env, **rank_envs[key]}, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=_die_with_parent)
+        _stream(processes, result, launcher, echo, timeout, started, view)
+    finally:
+        # Whatever happened (done, failed rank, timeout, KeyboardInterrupt), nothing survives.
+        stop_process_tree(list(processes.values()))
+        result.seconds = time.perf_counter() - started
+        result.results = _read_results(results_dir)
+        view.close()
+        shutil.rmtree(results_dir, ignore_errors=True)
+
+    for key, proc in processes.items():
+        if key != "torchrun":
+            result.returncodes[key] = proc.returncode
+    if launcher == "torchrun":
+        _torchrun_returncodes(result, processes["torchrun"].returncode)
+    if check and not result.ok:
+        raise _failure(result, timeout)
+    return result
+
+
+def _child_env(extra, nproc, omp_threads, results_dir):
+    child_env = dict(os.environ)
+    # Each rank gets its share of the cores; more threads than cores makes CPU training crawl.
+    threads = omp_threads or max(1, (os.cpu_count() or 1) // nproc)
+    child_env.setdefault("OMP_NUM_THREADS", str(threads))
+    child_env.update({
+        "PYTHONUNBUFFERED": "1",
+        RESULTS_DIR_ENV: str(results_dir),
+        PARENT_PID_ENV: str(os.getpid()),
+        "MASTER_ADDR": "127.0.0.1",
+    })
+    child_env.update({k: str(v) for k, v in (extra or {}).items()})
+    return child_env
+
+
+def _rank_env(rank, nproc):
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
+
+
+def _torchrun_flags(nproc, options):
+    flags = [f"--nproc-per-node={nproc}", "--tee=3"]
+    if not any(key.startswith("rdzv") or key in ("nnodes", "master_addr", "master_port")
+               for key in options):
+        flags.append("--standalone")
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value not in (None, False):
+            flags.append(f"{flag}={value}")
+    return flags
+
+
+def _die_with_parent():
+    """Linux only: the child gets SIGKILL if the launching process dies (kernel crash)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _stream(processes, result, launcher, echo, timeout, started, view):
+    """Read every child's output in this thread (so it lands in the running cell) until all exit."""
+    selector = selectors.DefaultSelector()
+    partial = {}
+    for key, proc in processes.items():
+        os.set_blocking(proc.stdout.fileno(), False)
+        selector.register(proc.stdout, selectors.EVENT_READ, key)
+        partial[key] = b""
+    open_pipes = len(processes)
+    while open_pipes:
+        for selected, _ in selector.select(timeout=0.2):
+            key = selected.data
+            chunk = selected.fileobj.read()
+            if chunk is None:
+                continue
+            lines = (partial[key] + chunk).split(b"\n")
+            partial[key] = lines.pop()
+            if not chunk and partial[key]:  # end of output without a final newline
+                lines.append(partial[key])
+            for line in lines:
+                _emit(key, line.decode(errors="replace"), result, launcher, echo)
+            if not chunk:
+                selector.unregister(selected.fileobj)
+                open_pipes -= 1
+        view.refresh()
+        if launcher == "spawn" and any(p.poll() not in (None, 0) for p in processes.values()):
+            # A rank died: the others would wait forever in their next collective.
+            time.sleep(0.5)  # let the dying rank's last lines arrive
+            _drain(selector, partial, result, launcher, echo)
+            return
+        if timeout is not None and time.perf_counter() - started > timeout:
+            result.timed_out = True
+            return
+    for proc in processes.values():
+        proc.wait()
+
+
+def _drain(selector, partial, result, launcher, echo):
+    for selected, _ in selector.select(timeout=0.1):
+        chunk = selected.fileobj.read() or b""
+        for line in (partial[selected.data] + chunk).split(b"\n"):
+            if line:
+                _emit(selected.data, line.decode(errors="replace"), result, launcher, echo)
+
+
+def _emit(key, line, result, launcher, echo):
+    rank, text = key, line
+    if launcher == "torchrun":
+        match = _TORCHRUN_LINE.match(line)
+        if match:
+            local, global_rank, text = match.groups()
+            rank = int(global_rank if global_rank is not None else local)
+        else:
+            rank = "torchrun"
+    else:
+        text = _TORCH_RANK_PREFIX.sub("", line)
+    result.output.setdefault(rank, []).append(text)
+    if echo:
+        tag = f"[rank {rank}]" if isinstance(rank, int) else f"[{rank}]"
+        print(f"{tag} {text}", flush=True)
+
+
+def stop_process_tree(processes, grace: float = 3.0):
+    """Terminate each process and all its descendants; kill whatever ignores SIGTERM."""
+    victims = []
+    for proc in processes:
+        try:
+            parent = psutil.Process(proc.pid)
+            victims += parent.children(recursive=True) + [parent]
+        except psutil.NoSuchProcess:
+            pass
+    for victim in victims:
+        try:
+            victim.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(victims, timeout=grace)
+    for victim in alive:
+        try:
+            victim.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+    for proc in processes:
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        proc.stdout.close()
+
+
+def _read_results(results_dir):
+    results = {}
+    for path in sorted(results_dir.glob("rank*.pkl")):
+        with open(path, "rb") as f:
+            results[int(path.stem[4:])] = pickle.load(f)
+    return results
+
+
+def _torchrun_returncodes(result, torchrun_code):
+    """torchrun exits non-zero if any worker failed; its summary names the first one."""
+    summary = "\n".join(result.output.get("torchrun", []))
+    # The summary lists every stopped rank; the one under "Root Cause" is the one that failed.
+    failure = _TORCHRUN_FAILURE.search(summary.split("Root Cause")[-1])
+    for rank in range(result.nproc):
+        result.returncodes[rank] = 0 if torchrun_code == 0 else None
+    if torchrun_code not in (0, None):
+        if failure:
+            result.returncodes[int(failure.group(1))] = int(failure.group(2))
+        else:
+            result.returncodes["torchrun"] = torchrun_code
+
+
+def _failure(result, timeout):
+    if result.timed_out:
+        running = [r for r, code in result.returncodes.items() if code is None or code < 0]
+        return LaunchError(
+            f"timed out after {timeout:g} s; stopped ranks {running}. A rank that never returns is "
+            "usually waiting in a collective that another rank never entered, or on a recv "
+            "that has no matching send. Raise timeout= if the work is just slow.", result=result)
+    # The first rank that exited with an error (not one we stopped ourselves, code < 0).
+    failed = [(r, c) for r, c in result.returncodes.items() if c not in (0, None)]
+    errors = [(r, c) for r, c in failed if c > 0] or failed
+    rank, code = errors[0] if errors else ("?", None)
+    tail = "\n".join(result.output.get(rank, [])[-TAIL_LINES:]) or "(no output)"
+    return LaunchError(f"rank {rank} failed with exit code {code}; the other ranks were stopped.\n"
+                       f"--- last lines of rank {rank} ---\n{tail}",
+                       rank=rank if isinstance(rank, int) else None, exit_code=code, result=result)

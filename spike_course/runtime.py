@@ -1,0 +1,194 @@
+"""What a worker script calls: ``setup()`` at the start, ``report()`` to send results
+back to the notebook, ``progress()`` to move its progress bar, ``teardown()`` at the end.
+
+The same script runs under ``spike_course.launch`` on a laptop (gloo, CPU) and under
+``torchrun`` on a GPU node (NCCL, one process per GPU): ``setup`` reads the rank from the
+environment both set and picks the backend from the hardware.
+
+    from spike_course import runtime
+    ctx = runtime.setup()            # ctx.rank, ctx.world_size, ctx.local_rank, ctx.device
+    ...
+    runtime.report(loss=loss.item())
+    runtime.teardown()
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from .launch import PARENT_PID_ENV, RESULTS_DIR_ENV
+from .progress import write_progress
+
+BACKENDS = ("gloo", "nccl")
+_reported: dict = {}
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where this rank stands: its place in the world and the device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: "object"  # a torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise RuntimeError(
+            f"{name} is not set: this worker must be started by a launcher, not run on its own. "
+            "From a notebook use spike_course.launch('this_script.py', nproc=2); from a shell use "
+            "torchrun --standalone --nproc-per-node=2 this_script.py")
+    return int(value)
+
+
+def setup(backend: str | None = None, device: str | None = None, seed: int | None = 0,
+          memory_fraction: float | None = None, timeout: float = 60.0) -> Context:
+    """Join the process group and return this rank's :class:`Context`.
+
+    backend: "nccl" or "gloo"; by default nccl when CUDA GPUs are present, else gloo.
+    device: "cuda" or "cpu"; by default it follows the backend. With CUDA each rank takes
+        GPU ``local_rank % gpu_count`` (gloo may put several ranks on one GPU; NCCL may not).
+    seed: seeds python, numpy and torch the same on every rank (None: leave unseeded).
+    memory_fraction: cap this process's share of its GPU's memory (e.g. 0.5). It limits
+        memory only, not compute, and the GPU's other tenants still compete for SMs.
+    timeout: seconds a collective may wait before it fails, instead of gloo's 30 minutes.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    _watch_parent()
+
+    has_cuda = torch.cuda.is_available()
+    if device is not None and device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda'")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU, or several ranks per GPU) "
+                         "or 'nccl' (one process per CUDA GPU)")
+    if (device == "cuda" or backend == "nccl") and not has_cuda:
+        raise RuntimeError(
+            f"CUDA was asked for (device={device!r}, backend={backend!r}) but torch sees no GPU on "
+            "this machine. Leave device and backend unset to train on the CPU with gloo.")
+    backend = backend or ("nccl" if has_cuda and device != "cpu" else "gloo")
+    device_type = device or ("cuda" if backend == "nccl" else "cpu")
+
+    if device_type == "cuda":
+        gpu = local_rank % torch.cuda.device_count()
+        if backend == "nccl" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count():
+            raise RuntimeError(
+                f"{os.environ['LOCAL_WORLD_SIZE']} ranks on {torch.cuda.device_count()} GPUs: NCCL "
+                "allows one process per GPU. Start fewer ranks, or use backend='gloo' to share GPUs.")
+        torch.cuda.set_device(gpu)
+        torch_device = torch.device("cuda", gpu)
+        if memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(memory_fraction, gpu)
+    else:
+        torch_device = torch.device("cpu")
+
+    if not dist.is_initialized():
+        options = {"backend": backend, "timeout": timedelta(seconds=timeout)}
+        if backend == "nccl":
+            options["device_id"] = torch_device  # binds the communicator to this rank's GPU
+        dist.init_process_group(**options)
+    if seed is not None:
+        seed_everything(seed)
+    return Context(rank, world_size, local_rank, torch_device, backend)
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed for python, numpy and torch, so every rank builds the same initial model."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def report(**values) -> None:
+    """Send values back to the notebook: they appear in ``launch(...).results[rank]``.
+
+    Call it as often as you like; later keys update earlier ones. Tensors are moved to
+    the CPU first. Under a plain torchrun (no notebook listening) it does nothing.
+    """
+    results_dir = os.environ.get(RESULTS_DIR_ENV)
+    if not results_dir:
+        return
+    _reported.update({key: _to_cpu(value) for key, value in values.items()})
+    rank = int(os.environ.get("RANK", 0))
+    path = Path(results_dir) / f"rank{rank}.pkl"
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(_reported, f)
+    os.replace(tmp, path)
+
+
+def progress(step: int, total: int, note: str = "") -> None:
+    """Tell the notebook this rank has done ``step`` of ``total`` (one progress bar per rank)."""
+    results_dir = os.environ.get(RESULTS_DIR_ENV)
+    if results_dir:
+        write_progress(results_dir, int(os.environ.get("RANK", 0)), step, total, note)
+
+
+def _to_cpu(value):
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def teardown() -> None:
+    """Leave the process group cleanly.
+
+    The barrier first matters: ranks that reach ``destroy_process_group`` at different
+    times (one still gathering a state dict, say) can abort at exit.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _watch_parent() -> None:
+    """Exit if the notebook kernel that launched us dies, so no rank is left orphaned.
+
+    spawn mode also asks the kernel for SIGKILL-on-parent-death, but torchrun's workers
+    are the kernel's grandchildren and need this watchdog.
+    """
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent:
+        return
+
+    def watch():
+        while True:
+            try:
+                os.kill(int(parent), 0)
+            except ProcessLookupError:
+                print(f"rank {os.environ.get('RANK')}: the launching process is gone; exiting",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+            except PermissionError:
+                pass
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="spike-course-parent-watch", daemon=True).start()

@@ -1,0 +1,99 @@
+"""Exercises are generated from solutions, stay in sync, and their checks fail on the blank."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from spike_course import exercises
+
+ROOT = Path(__file__).resolve().parents[1]
+EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+
+
+def _notebook(*cells):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = list(cells)
+    return nb
+
+
+def test_a_solution_region_becomes_an_indented_stub():
+    source = "def f(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION\n\nprint(f(1))"
+    blank = exercises.blank_source(source)
+    assert "return 2 * x" not in blank
+    assert "    raise NotImplementedError(" in blank
+    assert blank.startswith("def f(x):\n    # YOUR CODE HERE") and blank.endswith("print(f(1))")
+
+
+@pytest.mark.parametrize("source, problem", [
+    ("### BEGIN SOLUTION\nx = 1", "never closed"),
+    ("x = 1\n### END SOLUTION", "without a"),
+    ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION", "inside another"),
+])
+def test_broken_markers_are_reported(source, problem):
+    with pytest.raises(ValueError, match=problem):
+        exercises.blank_source(source)
+
+
+def test_tags_tell_ci_what_may_and_must_fail():
+    solution = _notebook(
+        nbformat.v4.new_code_cell("import math"),
+        nbformat.v4.new_code_cell("### BEGIN SOLUTION\nanswer = 42\n### END SOLUTION"),
+        nbformat.v4.new_code_cell("assert answer == 42", metadata={"tags": ["check"]}),
+        nbformat.v4.new_code_cell("print(answer)", metadata={"tags": ["uses-solution"]}),
+    )
+    solution.cells[0].outputs = [nbformat.v4.new_output("stream", text="left over")]
+    exercise = exercises.make_exercise(solution, "t.ipynb")
+    tags = [cell.metadata.get("tags", []) for cell in exercise.cells]
+    assert tags[0] == []
+    assert tags[1] == ["raises-exception"]
+    assert tags[2] == ["check", "raises-exception"]
+    assert tags[3] == ["uses-solution", "raises-exception"]
+    assert all(cell.outputs == [] for cell in exercise.cells)
+    assert "answer = 42" in solution.cells[1].source  # the solution itself is untouched
+
+
+def test_a_solution_notebook_without_a_region_is_refused():
+    with pytest.raises(ValueError, match="no ### BEGIN SOLUTION"):
+        exercises.make_exercise(_notebook(nbformat.v4.new_code_cell("x = 1")), "empty.ipynb")
+
+
+def test_drift_is_detected(tmp_path):
+    solutions, target = tmp_path / "solutions", tmp_path / "exercises"
+    solutions.mkdir()
+    nb = _notebook(nbformat.v4.new_code_cell("### BEGIN SOLUTION\nx = 1\n### END SOLUTION"))
+    nbformat.write(nb, solutions / "01_x.ipynb")
+    assert exercises.drift(solutions, target) == ["exercises/01_x.ipynb is missing"]
+    exercises.generate(solutions, target)
+    assert exercises.drift(solutions, target) == []
+    nb.cells[0].source = "### BEGIN SOLUTION\nx = 2\n### END SOLUTION\nprint(x)"
+    nbformat.write(nb, solutions / "01_x.ipynb")
+    assert exercises.drift(solutions, target) == ["exercises/01_x.ipynb differs from what solutions/01_x.ipynb generates"]
+
+
+def test_the_course_exercises_are_in_sync():
+    assert exercises.drift(ROOT / "solutions", ROOT / "exercises") == []
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=[p.stem for p in EXERCISES])
+def test_blank_exercise_runs_and_every_check_fails(path):
+    """The scaffolding runs (cells not tagged raises-exception must pass, as under nbval),
+    and every check cell fails on the blank: a check that passes on nothing is no check."""
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, timeout=600, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
+    checks = 0
+    for index, cell in enumerate(notebook.cells):
+        if cell.cell_type != "code":
+            continue
+        tags = cell.metadata.get("tags", [])
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        if exercises.CHECK_TAG in tags:
+            checks += 1
+            assert errors, f"{path.name} cell {index}: this check passed on the blank exercise:\n{cell.source}"
+        elif exercises.RAISES_TAG not in tags:
+            assert not errors, (f"{path.name} cell {index} failed on the blank exercise:\n{cell.source}\n"
+                                f"{errors[0].ename}: {errors[0].evalue}" if errors else "")
+    assert checks > 0, f"{path.name} has no cell tagged 'check'"
