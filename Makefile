@@ -25,6 +25,10 @@ test: $(BIN)/spike-course
 	$(BIN)/spike-course exercises --check
 	$(BIN)/python -m pytest
 
+html: $(BIN)/spike-course
+	$(BIN)/spike-course html --out _build/html
+	@echo "open _build/html/index.html"
+
 exercises: $(BIN)/spike-course
 	$(BIN)/spike-course exercises
 

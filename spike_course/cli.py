@@ -4,6 +4,8 @@
     spike-course doctor                               what this machine can do for the course
     spike-course exercises [--check]                  write exercises/ from solutions/ (or check)
     spike-course run NOTEBOOK [-o OUT]                execute a notebook headless, keep the copy
+    spike-course html [--out _build/html]             the rendered edition, with an index page
+    spike-course grade NOTEBOOK...                    run learners' exercise notebooks' checks
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def cmd_lab(args) -> int:
     command = [sys.executable, "-m", "jupyterlab", f"--ServerApp.ip={args.ip}",
                f"--ServerApp.port={args.port}", f"--ServerApp.root_dir={root}",
                f"--ServerApp.open_browser={not args.no_browser}"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        command.append("--allow-root")  # containers (a Run:ai pod, CI) often run as root
     if args.token:  # otherwise JupyterLab makes a random token and prints the URL with it
         command.append(f"--IdentityProvider.token={args.token}")
     if args.ip not in ("127.0.0.1", "localhost"):
@@ -120,6 +124,29 @@ def cmd_run(args) -> int:
     return status
 
 
+def cmd_grade(args) -> int:
+    from .exercises import grade
+
+    failed = 0
+    for name in args.notebooks:
+        checks = grade(name, timeout=args.timeout)
+        passed = sum(check["error"] is None for check in checks)
+        print(f"{name}: {passed} of {len(checks)} checks pass")
+        for check in checks:
+            if check["error"]:
+                print(f"  cell {check['index']}: {check['error'].strip()[:500]}")
+        failed += passed < len(checks) or not checks
+    return 1 if failed else 0
+
+
+def cmd_html(args) -> int:
+    from .edition import build
+
+    root = course_root()
+    pages = build(root, Path(args.out).resolve(), with_solutions=args.with_solutions, timeout=args.timeout)
+    return 1 if any(page["error"] for page in pages) else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="spike-course", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +165,15 @@ def main(argv=None) -> int:
     run.add_argument("-o", "--output", help="where to write it (default: NAME.executed.ipynb)")
     run.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     run.set_defaults(func=cmd_run)
+    grade_ = commands.add_parser("grade", help="run the check cells of exercise notebooks")
+    grade_.add_argument("notebooks", nargs="+")
+    grade_.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    grade_.set_defaults(func=cmd_grade)
+    html = commands.add_parser("html", help="execute the lectures and write a static HTML edition")
+    html.add_argument("--out", default="_build/html")
+    html.add_argument("--with-solutions", action="store_true", help="render solutions/ too")
+    html.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    html.set_defaults(func=cmd_html)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -113,3 +113,30 @@ def drift(solutions_dir="solutions", exercises_dir="exercises") -> list[str]:
         if path.name not in expected:
             problems.append(f"exercises/{path.name} has no solutions/{path.name}")
     return problems
+
+
+def execute_cells(path, timeout: int = 600) -> list[dict]:
+    """Run an exercise notebook to the end (errors do not stop it) and say how each code
+    cell went: {"index", "tags", "source", "error"} with error None or "Name: message".
+
+    CI runs the blank exercises through this; ``spike-course grade`` runs a learner's.
+    """
+    from nbclient import NotebookClient
+
+    path = Path(path)
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=timeout, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    cells = []
+    for index, cell in enumerate(notebook.cells):
+        if cell.cell_type != "code":
+            continue
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        cells.append({"index": index, "tags": cell.metadata.get("tags", []), "source": cell.source,
+                      "error": f"{errors[0].ename}: {errors[0].evalue}" if errors else None})
+    return cells
+
+
+def grade(path, timeout: int = 600) -> list[dict]:
+    """The check cells of a (learner's) exercise notebook, each with its error or None."""
+    return [cell for cell in execute_cells(path, timeout) if CHECK_TAG in cell["tags"]]

@@ -291,7 +291,8 @@ def stop_process_tree(processes, grace: float = 3.0):
             proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
-        proc.stdout.close()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def _read_results(results_dir):

@@ -85,14 +85,22 @@ def setup(backend: str | None = None, device: str | None = None, seed: int | Non
         raise RuntimeError(
             f"CUDA was asked for (device={device!r}, backend={backend!r}) but torch sees no GPU on "
             "this machine. Leave device and backend unset to train on the CPU with gloo.")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if backend is None and device is None and has_cuda and local_ranks > torch.cuda.device_count():
+        # More ranks than GPUs (4 ranks on a 1-GPU laptop): NCCL cannot, so stay on the CPU.
+        if rank == 0:
+            print(f"{local_ranks} ranks on {torch.cuda.device_count()} GPU(s): NCCL needs one process "
+                  "per GPU, so this run uses gloo on the CPU (backend='gloo', device='cuda' shares GPUs)",
+                  flush=True)
+        backend, device = "gloo", "cpu"
     backend = backend or ("nccl" if has_cuda and device != "cpu" else "gloo")
     device_type = device or ("cuda" if backend == "nccl" else "cpu")
 
     if device_type == "cuda":
         gpu = local_rank % torch.cuda.device_count()
-        if backend == "nccl" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count():
+        if backend == "nccl" and local_ranks > torch.cuda.device_count():
             raise RuntimeError(
-                f"{os.environ['LOCAL_WORLD_SIZE']} ranks on {torch.cuda.device_count()} GPUs: NCCL "
+                f"{local_ranks} ranks on {torch.cuda.device_count()} GPUs: NCCL "
                 "allows one process per GPU. Start fewer ranks, or use backend='gloo' to share GPUs.")
         torch.cuda.set_device(gpu)
         torch_device = torch.device("cuda", gpu)

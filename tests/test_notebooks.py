@@ -23,7 +23,7 @@ def test_committed_without_outputs(path):
 def test_first_code_cell_sets_up_the_chapter(path):
     notebook = nbformat.read(path, as_version=4)
     first = next(c for c in notebook.cells if c.cell_type == "code")
-    assert f'setup("{path.stem}")' in first.source, (
+    assert re.search(rf'setup\((\w+ := )?"{path.stem}"', first.source), (
         f"{path.name}: the first code cell should call spike_course.notebook.setup(\"{path.stem}\")")
 
 

@@ -1,0 +1,189 @@
+"""ipywidgets explorers built on ``costmodel`` and ``viz``.
+
+Each explorer is a function that builds the widget, draws its first figure right away
+(so a headless run under nbval still shows a real plot) and returns the widget box.
+"""
+
+from __future__ import annotations
+
+
+# --- chapter 06: fully sharded data parallel (ZeRO memory explorer) ---
+
+
+def zero_explorer(billions: float = 7.5, dp_size: int = 64, stage: int = 3, k: float = 12,
+                  capacity_gb: float = 80.0):
+    """Sliders for model size (billions of parameters), N_d and the ZeRO stage; bars of
+    the bytes per device that each stage needs (``costmodel.zero_memory_breakdown``),
+    the chosen stage framed, and one device's memory as a dashed line."""
+    import ipywidgets as w
+    from IPython.display import display
+
+    import matplotlib.pyplot as plt
+
+    from .costmodel import zero_memory_breakdown
+    from .viz import zero_memory_bars
+
+    size = w.FloatLogSlider(value=billions, base=10, min=-1, max=3, step=0.05,
+                            description="params (B)", continuous_update=False)
+    ranks = w.SelectionSlider(options=[2 ** i for i in range(11)], value=dp_size,
+                              description="N_d", continuous_update=False)
+    chosen = w.ToggleButtons(options=[("stage 0", 0), ("stage 1", 1), ("stage 2", 2),
+                                      ("stage 3", 3)], value=stage, description="ZeRO")
+    out = w.Output()
+
+    def draw(*_):
+        psi = size.value * 1e9
+        bars = {f"stage {s}": zero_memory_breakdown(psi, ranks.value, s, k) for s in range(4)}
+        fig = zero_memory_bars(bars, highlight=f"stage {chosen.value}", capacity=capacity_gb * 1e9,
+                               title=f"{size.value:,.3g}B parameters, N_d = {ranks.value}, K = {k:g}")
+        plt.close(fig)  # shown once, inside the widget, not again by the inline backend
+        out.clear_output(wait=True)
+        with out:
+            display(fig)
+
+    for control in (size, ranks, chosen):
+        control.observe(draw, names="value")
+    draw()
+    return w.VBox([w.HBox([size, ranks]), chosen, out])
+
+
+# --- chapter 08: communication and hardware (a parallelism decision guide) ---
+
+
+def strategy_table(rows) -> str:
+    """``costmodel.plan_parallelism`` rows as an HTML table (memory, traffic, compute, why)."""
+    import html
+
+    head = ("<tr><th></th><th>strategy</th><th>model states / GPU</th><th>fits</th>"
+            "<th>comm / step</th><th>compute / step</th><th>comm : compute</th><th>why</th></tr>")
+    body = "".join(
+        f"<tr><td>{'&#9733;' if r['recommended'] else ''}</td><td>{html.escape(r['strategy'])}</td>"
+        f"<td>{r['memory'] / 1e9:,.1f} GB</td><td>{'yes' if r['fits'] else 'no'}</td>"
+        f"<td>{r['comm'] * 1e3:,.2f} ms</td><td>{r['compute'] * 1e3:,.2f} ms</td>"
+        f"<td>{r['comm'] / r['compute']:.2f}</td><td style='text-align:left'>{html.escape(r['why'])}</td></tr>"
+        for r in rows)
+    return f"<table>{head}{body}</table>"
+
+
+def parallelism_guide(billions: float = 7.0, tokens_per_gpu: int = 16384, gpu_memory_gb: float = 180,
+                      num_gpus: int = 8, link: str = "nvlink5"):
+    """Sliders for model size, tokens per GPU per step, GPU memory, GPU count and link; a
+    table and bars from ``costmodel.plan_parallelism`` that say which strategy fits and why."""
+    import ipywidgets as w
+    from IPython.display import HTML, display
+
+    import matplotlib.pyplot as plt
+
+    from .costmodel import ACTIVATION_HEADROOM, plan_parallelism
+    from .viz import strategy_bars
+
+    size = w.FloatLogSlider(value=billions, base=10, min=-2, max=3, step=0.05,
+                            description="params (B)", continuous_update=False)
+    tokens = w.SelectionSlider(options=[2 ** i for i in range(9, 19)], value=tokens_per_gpu,
+                               description="tokens/GPU", continuous_update=False)
+    memory = w.SelectionSlider(options=[24, 40, 48, 80, 94, 141, 180], value=gpu_memory_gb,
+                               description="GPU GB", continuous_update=False)
+    gpus = w.SelectionSlider(options=[2, 4, 8, 16, 32, 64, 128, 256], value=num_gpus,
+                             description="GPUs", continuous_update=False)
+    links = w.ToggleButtons(options=[("NVLink 5", "nvlink5"), ("PCIe Gen5", "pcie5")], value=link,
+                            description="link")
+    out = w.Output()
+
+    def draw(*_):
+        rows = plan_parallelism(size.value * 1e9, tokens.value, gpus.value, memory.value * 1e9, links.value)
+        fig = strategy_bars(rows, memory.value * 1e9, ACTIVATION_HEADROOM * memory.value * 1e9,
+                            title=f"{size.value:,.3g}B parameters on {gpus.value} GPUs of "
+                                  f"{memory.value} GB over {links.label}")
+        plt.close(fig)
+        out.clear_output(wait=True)
+        with out:
+            display(HTML(strategy_table(rows)))
+            display(fig)
+
+    for control in (size, tokens, memory, gpus, links):
+        control.observe(draw, names="value")
+    draw()
+    return w.VBox([w.HBox([size, tokens]), w.HBox([memory, gpus]), links, out])
+
+
+# --- chapter 01: message passing (all-reduce algorithms explorer) ---
+
+
+def allreduce_explorer(nbytes: float = 100e6, world_size: int = 8, link: str = "NVLink 5",
+                       alpha_us: float = 5.0):
+    """Sliders for the message size, the world size, the link and the latency; curves of
+    naive, ring and tree all-reduce times (``costmodel.allreduce_time``) and a line of
+    text with each algorithm's time and bus bandwidth at the chosen point."""
+    import ipywidgets as w
+    from IPython.display import display
+
+    import matplotlib.pyplot as plt
+
+    from .costmodel import (ALLREDUCE_ALGORITHMS, NVLINK5_BIDIR, PCIE5_X16_BIDIR, allreduce_time,
+                            bus_bandwidth)
+    from .viz import allreduce_cost_curves
+
+    # A ring sends and receives at once: each direction gets half of the published figure.
+    links = {"NVLink 5": NVLINK5_BIDIR / 2, "PCIe 5 x16": PCIE5_X16_BIDIR / 2}
+    size = w.FloatLogSlider(value=nbytes, base=10, min=2, max=10, step=0.1,
+                            description="bytes", continuous_update=False)
+    ranks = w.IntSlider(value=world_size, min=2, max=128, description="ranks",
+                        continuous_update=False)
+    chosen = w.ToggleButtons(options=list(links), value=link, description="link")
+    latency = w.FloatLogSlider(value=alpha_us, base=10, min=-1, max=2, step=0.1,
+                               description="alpha (us)", continuous_update=False)
+    summary = w.HTML()
+    out = w.Output()
+
+    def draw(*_):
+        alpha, beta = latency.value * 1e-6, 1 / links[chosen.value]
+        n, bytes_ = ranks.value, size.value
+        cells = []
+        for algorithm in ALLREDUCE_ALGORITHMS:
+            seconds = allreduce_time(bytes_, n, algorithm, alpha, beta)
+            busbw = bus_bandwidth(bytes_, seconds, n, "all_reduce")
+            cells.append(f"<b>{algorithm}</b> {seconds * 1e3:,.3f} ms (busbw {busbw / 1e9:,.1f} GB/s)")
+        summary.value = " &nbsp;|&nbsp; ".join(cells)
+        fig = allreduce_cost_curves(bytes_, n, alpha, beta, title=f"all-reduce over {chosen.value}"
+                                    f" ({links[chosen.value] / 1e9:,.0f} GB/s each way), "
+                                    f"alpha = {latency.value:.3g} us")
+        plt.close(fig)  # shown once, inside the widget, not again by the inline backend
+        out.clear_output(wait=True)
+        with out:
+            display(fig)
+
+    for control in (size, ranks, chosen, latency):
+        control.observe(draw, names="value")
+    draw()
+    return w.VBox([w.HBox([size, ranks]), w.HBox([chosen, latency]), summary, out])
+
+
+# --- chapter 00: welcome (a look at the digits) ---
+
+
+def digit_explorer(dataset, per_page: int = 8):
+    """Page through a digits dataset: a slider picks the first sample, a row of images shows it."""
+    import ipywidgets as w
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    start = w.IntSlider(value=0, min=0, max=max(0, len(dataset) - per_page), step=per_page,
+                        description="first sample", continuous_update=False)
+    out = w.Output()
+
+    def draw(_=None):
+        with out:
+            out.clear_output(wait=True)
+            fig, axes = plt.subplots(1, per_page, figsize=(per_page, 1.4))
+            for offset, ax in enumerate(axes):
+                image, label = dataset[start.value + offset]
+                ax.imshow(image[0], cmap="gray")
+                ax.set_title(f"#{start.value + offset}: {label}", fontsize=8)
+                ax.axis("off")
+            plt.show()
+
+    start.observe(draw, names="value")
+    draw()
+    box = w.VBox([start, out])
+    box.add_class("spike-course-explorer")
+    return box

@@ -1,0 +1,115 @@
+"""The course as a learner meets it: JupyterLab in a real (headless) browser.
+
+Starts JupyterLab the way ``make lab`` does (``spike-course lab``, localhost, a token),
+opens the welcome notebook in Chromium, runs all cells, and checks what a learner
+should see: a launched worker's rank-tagged output, a matplotlib figure, a rendered
+ipywidgets explorer (not its text fallback) and the per-rank progress bars. The
+screenshot goes to ``_build/browser/``.
+
+Needs Debian's Chromium (``apt-get install chromium``, which ``.ci/run`` does) and the
+``playwright`` package; without them the test is skipped, and says so.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from spike_course.launch import free_port, stop_process_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+NOTEBOOK = "notebooks/00_welcome_and_setup.ipynb"
+SHOTS = ROOT / "_build" / "browser"
+# Flags for a root, offline, headless Chromium: no sandbox, no calls home.
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("no Chromium: apt-get install chromium chromium-driver (CI does)")
+    pytest.importorskip("playwright.sync_api")
+    port, token = free_port(), "spike-course-browser-test"
+    settings = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    # Render every cell into the page, not only those scrolled into view, so the test can find them.
+    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    # JupyterLab saves what it runs: work on a copy so the committed notebook stays clean.
+    course = tmp_path / "course"
+    (course / "notebooks").mkdir(parents=True)
+    shutil.copy(ROOT / NOTEBOOK, course / NOTEBOOK)
+    shutil.copy(ROOT / "pyproject.toml", course / "pyproject.toml")
+    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "SPIKE_COURSE_DATA": "synthetic"}
+    lab = subprocess.Popen([sys.executable, "-m", "spike_course.cli", "lab", "--port", str(port),
+                            "--token", token, "--no-browser"], cwd=course, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or lab.poll() is not None:
+                    raise RuntimeError("JupyterLab did not start within 90 s")
+                time.sleep(0.5)
+        yield url, token
+    finally:
+        stop_process_tree([lab])
+
+
+def test_welcome_notebook_runs_in_jupyterlab(jupyterlab):
+    from playwright.sync_api import sync_playwright
+
+    url, token = jupyterlab
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 1600})
+        page.goto(f"{url}/lab/tree/{NOTEBOOK}?token={token}")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        try:
+            # The last worker's check prints this line; wait for it, then for the kernel to be idle.
+            page.wait_for_selector(".jp-OutputArea-output:has-text('after training alone the ranks')",
+                                   timeout=480_000)
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+        finally:
+            text = page.locator(".jp-Notebook").inner_text()
+            (SHOTS / "welcome_notebook.txt").write_text(text)  # what the page showed, for a failing run
+            page.screenshot(path=str(SHOTS / "welcome_end.png"))
+        errors = page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']")
+        tracebacks = [e for e in errors.all_inner_texts() if "Traceback" in e or "Error" in e]
+        # The crash demo prints a LaunchError on purpose; any other error is a failure.
+        assert not [t for t in tracebacks if "ZeroDivisionError" not in t], tracebacks
+
+        assert "[rank 0] hello from rank 0 of 3" in text
+        assert "[rank 2] hello from rank 2 of 3" in text
+        assert page.locator(".jp-RenderedImage img").count() >= 2  # the digit grid and the explorer's page
+        explorer = page.locator(".spike-course-explorer")
+        assert explorer.locator(".widget-slider").count() == 1, "the explorer widget is not rendered"
+        assert "VBox(children=" not in text, "widgets fell back to text: the widget manager is missing"
+        bars = page.locator(".spike-course-progress .widget-hprogress")
+        assert bars.count() == 2, "expected one progress bar per rank"
+        assert "20/20" in page.locator(".spike-course-progress").inner_text()
+
+        explorer.scroll_into_view_if_needed()
+        page.screenshot(path=str(SHOTS / "welcome_notebook.png"))
+        page.locator(".spike-course-progress").scroll_into_view_if_needed()
+        page.screenshot(path=str(SHOTS / "welcome_progress.png"))
+        browser.close()
