@@ -1,0 +1,102 @@
+"""Chapter 04: the GPipe-by-hand check names the likely mistake; Net splits cleanly."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spike_course import checks
+from spike_course.models import Net, split_net
+
+M = 4
+
+
+STAGE_OF = {"conv1.weight": 0, "conv1.bias": 0, "conv2.weight": 0, "conv2.bias": 0,
+            "fc1.weight": 1, "fc1.bias": 1, "fc2.weight": 1, "fc2.bias": 1}
+
+
+def grads(net):
+    return {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def problem():
+    torch.manual_seed(0)
+    net = Net(dropout=False)
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    F.nll_loss(net(x), y).backward()
+    reference = grads(net)
+    net.zero_grad()
+    F.nll_loss(net(x.chunk(M)[-1]), y.chunk(M)[-1]).backward()
+    last = grads(net)
+    # GPipe by hand on one process, without the 1/m: the classic mistake.
+    net.zero_grad()
+    stage0, stage1 = split_net(net)
+    for xb, yb in zip(x.chunk(M), y.chunk(M)):
+        F.nll_loss(stage1(stage0(xb)), yb).backward()
+    unscaled = grads(net)
+    return reference, last, unscaled
+
+
+def check(answer, problem, **kw):
+    reference, last, _ = problem
+    checks.pipeline_gradients(answer, reference, M, stages=STAGE_OF, last_microbatch=last, **kw)
+
+
+def fails_with(answer, problem, *words):
+    with pytest.raises(checks.CheckFailed) as error:
+        check(answer, problem)
+    for word in words:
+        assert word in str(error.value), str(error.value)
+
+
+def test_split_net_composes_to_net():
+    torch.manual_seed(0)
+    net = Net(dropout=False)
+    stage0, stage1 = split_net(net)
+    x = torch.randn(3, 1, 28, 28)
+    assert stage0(x).shape == (3, 9216)
+    torch.testing.assert_close(stage1(stage0(x)), net(x))
+    names = [n for s in (stage0, stage1) for n, _ in s.named_parameters()]
+    assert names == [n for n, _ in net.named_parameters()]  # nothing lost, nothing shared twice
+    assert {n: i for i, s in enumerate((stage0, stage1)) for n, _ in s.named_parameters()} == STAGE_OF
+
+
+def test_right_answer_passes(problem, capsys):
+    check(problem[0], problem)
+    assert "check passed" in capsys.readouterr().out
+
+
+def test_unscaled_losses_named(problem):
+    fails_with(problem[2], problem, "not scaled by 1/m", f"{M} x too large")
+
+
+def test_scaled_twice_named(problem):
+    fails_with({k: v / M for k, v in problem[0].items()}, problem, "twice")
+
+
+def test_stage0_scaled_again_named(problem):
+    answer = {k: v / M if STAGE_OF[k] == 0 else v for k, v in problem[0].items()}
+    fails_with(answer, problem, "stage [0]", "too small")
+
+
+def test_no_gradient_across_the_boundary_named(problem):
+    answer = {k: (None if STAGE_OF[k] == 0 else v) for k, v in problem[0].items()}
+    fails_with(answer, problem, "no gradient reached stage [0]", "requires_grad_")
+    answer = {k: (torch.zeros_like(v) if STAGE_OF[k] == 0 else v) for k, v in problem[0].items()}
+    fails_with(answer, problem, "no gradient reached stage [0]")
+
+
+def test_only_last_microbatch_named(problem):
+    for factor in (1.0, 1.0 / M):
+        fails_with({k: factor * v for k, v in problem[1].items()}, problem, "only the last micro-batch")
+
+
+def test_mismatched_pairing_named(problem):
+    torch.manual_seed(1)
+    answer = {k: (torch.randn_like(v) if STAGE_OF[k] == 0 else v) for k, v in problem[0].items()}
+    fails_with(answer, problem, "same micro-batch")
+
+
+def test_anything_else_lists_the_parameters(problem):
+    torch.manual_seed(2)
+    fails_with({k: torch.randn_like(v) for k, v in problem[0].items()}, problem, "fc2.bias", "differ")

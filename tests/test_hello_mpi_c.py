@@ -1,0 +1,67 @@
+"""The corrected MPI program of chapter 01 compiles (and runs, where an MPI is installed)."""
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_message_passing.ipynb"
+
+# Just enough of mpi.h to let a C compiler check that the program declares what it uses.
+STUB_MPI_H = """
+typedef int MPI_Comm; typedef int MPI_Datatype; typedef int MPI_Request; typedef int MPI_Status;
+#define MPI_COMM_WORLD 0
+#define MPI_INT 1
+#define MPI_STATUS_IGNORE ((MPI_Status *) 0)
+int MPI_Init(int *argc, char ***argv);
+int MPI_Finalize(void);
+int MPI_Comm_rank(MPI_Comm comm, int *rank);
+int MPI_Comm_size(MPI_Comm comm, int *size);
+int MPI_Isend(const void *buf, int count, MPI_Datatype type, int dest, int tag, MPI_Comm comm,
+              MPI_Request *request);
+int MPI_Irecv(void *buf, int count, MPI_Datatype type, int source, int tag, MPI_Comm comm,
+              MPI_Request *request);
+int MPI_Wait(MPI_Request *request, MPI_Status *status);
+"""
+
+
+@pytest.fixture
+def c_source(tmp_path):
+    cells = nbformat.read(NOTEBOOK, as_version=4).cells
+    cell = next(c for c in cells if c.source.startswith("%%writefile") and ".c" in c.source.split()[1])
+    path = tmp_path / "hello_mpi.c"
+    path.write_text(cell.source.split("\n", 1)[1] + "\n")
+    return path
+
+
+def test_every_rank_that_waits_posted_its_request(c_source):
+    text = c_source.read_text()
+    # each MPI_Wait sits in the same branch as the Isend/Irecv that filled the request
+    branches = re.split(r"\} else if|\bif \(", text)
+    for branch in branches:
+        if "MPI_Wait" in branch:
+            assert "MPI_Isend" in branch or "MPI_Irecv" in branch, branch
+
+
+@pytest.mark.skipif(not shutil.which("gcc"), reason="needs gcc")
+def test_declares_everything_it_uses(c_source, tmp_path):
+    (tmp_path / "mpi.h").write_text(STUB_MPI_H)
+    run = subprocess.run(["gcc", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-I", str(tmp_path),
+                          str(c_source)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.skipif(not (shutil.which("mpicc") and shutil.which("mpirun")), reason="needs an MPI")
+def test_runs_on_two_ranks(c_source, tmp_path):
+    binary = tmp_path / "hello_mpi"
+    subprocess.run(["mpicc", "-Wall", "-o", str(binary), str(c_source)], check=True)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
+    flags = ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
+    run = subprocess.run(["mpirun", *flags, "-np", "2", str(binary)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert run.returncode == 0 and "rank 1 received 42 from rank 0" in run.stdout, run.stdout + run.stderr
