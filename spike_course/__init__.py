@@ -5,7 +5,8 @@ and ``from spike_course import runtime``. Importing the package does not import 
 the launcher must stay fast; the modules that need torch import it themselves.
 """
 
+from . import notebook, runtime
 from .launch import LaunchError, LaunchResult, launch
 
-__all__ = ["launch", "LaunchError", "LaunchResult"]
+__all__ = ["launch", "LaunchError", "LaunchResult", "notebook", "runtime"]
 __version__ = "0.1.0"

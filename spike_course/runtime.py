@@ -156,7 +156,8 @@ def progress(step: int, total: int, note: str = "") -> None:
 
 def _to_cpu(value):
     if hasattr(value, "detach") and hasattr(value, "cpu"):
-        return value.detach().cpu()
+        # A copy: on the CPU .cpu() returns the same tensor, which training would keep changing.
+        return value.detach().cpu().clone()
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
