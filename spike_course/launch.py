@@ -128,6 +128,9 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "spawn", timeout:
         for rank_env in rank_envs.values():
             rank_env["MASTER_PORT"] = port
     else:
+        # Restarted workers otherwise may read the dead workers' store address and fail to
+        # connect (pytorch issues 135712 and 167288): let each round start its own store.
+        child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         commands = {"torchrun": [python, "-m", "torch.distributed.run",
                                  *_torchrun_flags(nproc, torchrun_options), str(script), *args]}
         rank_envs = {"torchrun": {}}
