@@ -165,7 +165,6 @@ def digit_explorer(dataset, per_page: int = 8):
     """Page through a digits dataset: a slider picks the first sample, a row of images shows it."""
     import ipywidgets as w
     import matplotlib.pyplot as plt
-    from IPython.display import display
 
     start = w.IntSlider(value=0, min=0, max=max(0, len(dataset) - per_page), step=per_page,
                         description="first sample", continuous_update=False)

@@ -70,6 +70,23 @@ def jupyterlab(tmp_path):
         stop_process_tree([lab])
 
 
+def _accept_kernel(page, seconds: float = 90):
+    """Wait until the notebook's kernel is idle, accepting the "Select Kernel" dialog that
+    JupyterLab sometimes shows for a notebook opened the first time."""
+    deadline, quiet = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        accept = page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept")
+        if accept.count():
+            accept.first.click()
+            quiet = 0
+        elif page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count():
+            quiet += 1
+            if quiet >= 3:  # idle, and no dialog for three seconds in a row
+                return
+        time.sleep(1)
+    raise AssertionError("the notebook's kernel did not start")
+
+
 def test_welcome_notebook_runs_in_jupyterlab(jupyterlab):
     from playwright.sync_api import sync_playwright
 
@@ -80,7 +97,7 @@ def test_welcome_notebook_runs_in_jupyterlab(jupyterlab):
         page = browser.new_page(viewport={"width": 1280, "height": 1600})
         page.goto(f"{url}/lab/tree/{NOTEBOOK}?token={token}")
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+        _accept_kernel(page)
 
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
         page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()

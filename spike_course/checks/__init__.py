@@ -1,0 +1,24 @@
+"""Friendly checks for the exercises: compare a learner's answer with a reference and,
+when it is wrong, say which mistake it most likely is.
+
+Every check raises :class:`CheckFailed` (an AssertionError) with a message that names
+the likely mistake and how to fix it, and prints one "passed" line when all is well.
+One module per chapter's exercises; everything is importable from
+``spike_course.checks`` directly.
+"""
+
+from __future__ import annotations
+
+# Re-exports: every name below is part of the package's API.
+# ruff: noqa: F401
+
+from ._common import CheckFailed, close, passed
+from .communication import check_bus_factor, check_allreduce_prediction
+from .data_parallel import check_data_parallel, check_distributed_accuracy
+from .federated import check_fedavg
+from .launching import check_checkpoint_functions, check_resumed_run
+from .message_passing import check_ring_allreduce, check_exchange
+from .pipeline import pipeline_gradients
+from .sampling import check_sampler
+from .tensor_parallel import check_parallel_linear
+from .zero import zero1_matches_ddp

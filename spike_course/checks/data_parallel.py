@@ -1,0 +1,122 @@
+"""Exercise checks for chapter 03: data parallel."""
+
+from __future__ import annotations
+
+from ._common import CheckFailed, close, passed
+
+
+def _dp_max_diff(a: dict, b: dict) -> tuple[float, str]:
+    """Largest absolute difference between two dicts of tensors, and the name where it is."""
+    import torch
+
+    worst, where = 0.0, ""
+    for name, value in a.items():
+        value, other = (torch.as_tensor(t, dtype=torch.float64) for t in (value, b[name]))
+        diff = (value - other).abs().max().item()
+        if diff > worst:
+            worst, where = diff, name
+    return worst, where
+
+
+def _dp_all_close(a: dict, b: dict, rtol: float, atol: float) -> bool:
+    return a.keys() == b.keys() and all(close(a[k], b[k], rtol=rtol, atol=atol) for k in a)
+
+
+def _dp_scaled(tensors: dict, factor: float) -> dict:
+    return {name: value * factor for name, value in tensors.items()}
+
+
+def check_data_parallel(ranks: dict, reference: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """Check hand-written data parallel training against one process that saw every rank's batch.
+
+    ``ranks[r]`` and ``reference`` are dicts with ``"initial"`` (parameters before the first
+    step, after any broadcast), ``"grads"`` (the gradients of the first step, after any
+    averaging, just before ``optimizer.step``) and ``"final"`` (parameters at the end), each a
+    dict name -> tensor. The reference trains one process on the concatenated batches.
+    """
+    world_size = len(ranks)
+    zero = ranks[min(ranks)]
+    for rank, got in sorted(ranks.items()):
+        diff, name = _dp_max_diff(got["initial"], zero["initial"])
+        if diff > 0:
+            raise CheckFailed(
+                f"the weights were not broadcast at the start: before the first step rank {rank}'s {name} "
+                f"differs from rank {min(ranks)}'s by {diff:.3g}. Each rank built its model from its own "
+                "random seed, so the replicas train different models. Broadcast every parameter from rank 0 "
+                "(dist.broadcast(p.data, src=0)) before training, as DistributedDataParallel does.")
+    if not _dp_all_close(zero["initial"], reference["initial"], rtol, atol):
+        diff, name = _dp_max_diff(zero["initial"], reference["initial"])
+        raise CheckFailed(f"all ranks start from the same weights, but not rank 0's ({name} differs by {diff:.3g}): "
+                          "broadcast with src=0")
+    for rank, got in sorted(ranks.items()):
+        diff, name = _dp_max_diff(got["grads"], zero["grads"])
+        if diff > atol + rtol * max(_dp_max_abs(zero["grads"]), 1e-12):
+            raise CheckFailed(
+                f"the gradients were not all-reduced: after backward rank {rank}'s {name}.grad differs from "
+                f"rank {min(ranks)}'s by {diff:.3g}, so each replica steps with its own batch's gradient and "
+                "the replicas drift apart. all_reduce every p.grad before optimizer.step().")
+    grads, expected = zero["grads"], reference["grads"]
+    if not _dp_all_close(grads, expected, rtol, atol):
+        if world_size > 1 and _dp_all_close(grads, _dp_scaled(expected, world_size), rtol, atol):
+            raise CheckFailed(
+                f"the gradients were summed but not averaged: they are {world_size} (the world size) times "
+                "the single-process gradient. all_reduce with ReduceOp.SUM adds the ranks' gradients; divide "
+                "by dist.get_world_size() afterwards to get the mean over the whole batch.")
+        if world_size > 1 and _dp_all_close(grads, _dp_scaled(expected, 1 / world_size), rtol, atol):
+            raise CheckFailed(
+                f"the gradients are 1/{world_size} of the single-process gradient: divided by the world size "
+                "twice (ReduceOp.AVG already averages), or divided without all-reducing first.")
+        diff, name = _dp_max_diff(grads, expected)
+        raise CheckFailed(f"the first step's gradients differ from the single-process gradients ({name} by "
+                          f"{diff:.3g}): all-reduce (sum) every parameter's .grad, then divide by the world size")
+    for rank, got in sorted(ranks.items()):
+        if not _dp_all_close(got["final"], reference["final"], rtol, 10 * atol):
+            diff, name = _dp_max_diff(got["final"], reference["final"])
+            raise CheckFailed(
+                f"the first step is right, but after training rank {rank}'s {name} differs from the "
+                f"single-process model by {diff:.3g}: average the gradients in EVERY step, after "
+                "loss.backward() and before optimizer.step() (and zero them before each backward).")
+    passed(f"{world_size} ranks trained exactly like one process with the whole batch "
+           "(same start, averaged gradients, same final weights)")
+
+
+def _dp_max_abs(tensors: dict) -> float:
+    return max(float(v.abs().max()) for v in tensors.values())
+
+
+def check_distributed_accuracy(reported: dict, correct: int, total: int, shards: dict) -> None:
+    """Check an all-reduced evaluation against a single-process count of ``correct`` of ``total``.
+
+    ``reported[r]`` is the accuracy rank r's evaluate() returned; ``shards[r]`` is that rank's
+    own ``(correct, seen, correct_with_padding, seen_with_padding)``: its counts over
+    its real samples, and over everything its DistributedSampler gave it, padding included.
+    Names the usual mistakes.
+    """
+    expected = correct / total
+    values = {rank: float(value) for rank, value in reported.items()}
+    if len(set(values.values())) > 1:
+        raise CheckFailed(
+            f"the ranks report different accuracies {values}: each one measured its own shard only. "
+            "all_reduce the correct and seen counts (ReduceOp.SUM) so that every rank gets the whole "
+            "test set's accuracy.")
+    value = next(iter(values.values()))
+    if abs(value - expected) < 1e-6:
+        return passed(f"all-reduced accuracy {value:.4f} equals the single-process accuracy ({correct}/{total})")
+    padded_c = sum(s[2] for s in shards.values())
+    padded_n = sum(s[3] for s in shards.values())
+    if padded_n != total and abs(value - padded_c / padded_n) < 1e-6:
+        raise CheckFailed(
+            f"accuracy {value:.6f} counts the padding: {padded_n} samples, but the test set has {total}. "
+            "DistributedSampler repeats a few samples so every rank gets the same number; those were "
+            "counted twice. Count a sample only where its position i * num_replicas + rank is below "
+            "len(dataset).")
+    for rank, s in sorted(shards.items()):
+        if any(n and abs(value - c / n) < 1e-6 for c, n in ((s[0], s[1]), (s[2], s[3]))):
+            raise CheckFailed(f"accuracy {value:.6f} is rank {rank}'s shard only, not the whole test set: "
+                              "all_reduce the correct and seen counts before dividing")
+    means = [sum(s[i] / s[i + 1] for s in shards.values()) / len(shards) for i in (0, 2)]
+    if any(abs(value - mean) < 1e-6 for mean in means):
+        raise CheckFailed(
+            f"accuracy {value:.6f} is the mean of the ranks' accuracies; with shards of different sizes "
+            "that is not the accuracy of the test set. all_reduce the correct and seen COUNTS, then divide.")
+    raise CheckFailed(f"accuracy {value:.6f} differs from the single-process {expected:.6f} ({correct}/{total})")

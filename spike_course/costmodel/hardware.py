@@ -1,0 +1,193 @@
+"""Closed-form costs for chapter 08: communication and hardware (fitting, predictions, a decision guide)."""
+
+from __future__ import annotations
+
+from .collectives import NVLINK5_BIDIR, PCIE5_X16_BIDIR, bus_bandwidth
+from .memory import zero_memory
+
+
+# Assumptions of the predictions, stated once so a learner can change them.
+NCCL_ALPHA = 1e-6        # seconds of latency per ring step inside a node (8 GPUs: ~15 us a call)
+IB_NDR_PER_GPU = 50e9    # bytes/s per direction: one 400 Gb/s InfiniBand NIC per GPU (DGX B200)
+B200_BF16_FLOPS = 2.25e15  # dense bf16 peak of one B200; datasheets' bigger figures assume sparsity
+B200_MEMORY = 180e9      # bytes of HBM per GPU in a DGX B200 (1440 GB for 8)
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP all-reduces gradients in buckets of bucket_cap_mb=25
+ACTIVATION_HEADROOM = 0.75     # model states may use this share of a GPU; activations need the rest
+
+
+def fit_alpha_beta(sizes, seconds, relative: bool = True) -> tuple[float, float]:
+    """Fit ``seconds = alpha + beta * size`` by least squares with alpha, beta >= 0.
+
+    ``sizes`` in bytes, ``seconds`` measured times; returns (alpha in seconds, beta in
+    seconds per byte), so 1/beta is the bandwidth the line implies. With ``relative``
+    (the default) each point's error counts relative to its own time: timings span
+    several orders of magnitude, and a plain fit would let the biggest messages decide
+    everything and leave alpha as noise (or negative). A negative fitted value is not
+    physical; the fit then returns the best line with that value pinned to 0.
+    """
+    import numpy as np
+
+    x = np.asarray(sizes, dtype=float).ravel()
+    y = np.asarray(seconds, dtype=float).ravel()
+    if x.shape != y.shape or x.size < 2:
+        raise ValueError(f"need as many sizes as times, at least 2; got {x.size} and {y.size}")
+    if np.any(x < 0) or np.any(y <= 0) or not np.all(np.isfinite(x + y)):
+        raise ValueError("sizes must be >= 0 and times > 0 and finite")
+    w = 1.0 / y if relative else np.ones_like(y)
+
+    def loss(a, b):
+        return float(np.sum((w * (a + b * x - y)) ** 2))
+
+    a, b = np.linalg.lstsq(np.stack([w, w * x], axis=1), w * y, rcond=None)[0]
+    if a >= 0 and b >= 0:
+        return float(a), float(b)
+    candidates = [(float(np.sum(w**2 * y) / np.sum(w**2)), 0.0)]  # beta = 0: a constant
+    if np.sum(w**2 * x**2) > 0:                                    # alpha = 0: through the origin
+        candidates.append((0.0, max(0.0, float(np.sum(w**2 * x * y) / np.sum(w**2 * x**2)))))
+    return min(candidates, key=lambda ab: loss(*ab))
+
+
+def link_bandwidth(link: str) -> float:
+    """Bytes per second in ONE direction per GPU of a named link.
+
+    The published figures are bidirectional (both directions added); a ring collective
+    sends and receives at once, so each direction carries half of it.
+    """
+    links = {"nvlink5": NVLINK5_BIDIR / 2, "pcie5": PCIE5_X16_BIDIR / 2, "ib_ndr": IB_NDR_PER_GPU}
+    if link not in links:
+        raise ValueError(f"unknown link {link!r}: choose one of {', '.join(links)}")
+    return links[link]
+
+
+def collective_time(op: str, nbytes: float, world_size: int, bandwidth: float,
+                    alpha: float = NCCL_ALPHA) -> float:
+    """Seconds of one ring collective: latency steps * alpha + bus bytes / bandwidth.
+
+    ``nbytes`` is the size nccl-tests reports (the whole buffer); the bytes each GPU has
+    to push through its link are ``nbytes`` times the bus-bandwidth factor of ``op``,
+    which is why bus bandwidth is the number to compare with a link's speed.
+    ``bandwidth`` is per direction (see :func:`link_bandwidth`).
+    """
+    n = world_size
+    if n == 1:
+        return 0.0
+    factor = bus_bandwidth(1.0, 1.0, n, op)  # busbw/algbw, the nccl-tests factor
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    return steps * alpha + nbytes * factor / bandwidth
+
+
+def dp_comm_time(num_params: float, world_size: int, bandwidth: float, grad_bytes: float = 2,
+                 alpha: float = NCCL_ALPHA, bucket_bytes: float = DDP_BUCKET_BYTES) -> float:
+    """DDP: all-reduce every gradient once per step, in buckets (each pays its latency)."""
+    from math import ceil
+
+    nbytes = num_params * grad_bytes
+    buckets = max(1, ceil(nbytes / bucket_bytes))
+    return buckets * collective_time("all_reduce", nbytes / buckets, world_size, bandwidth, alpha)
+
+
+def fsdp_comm_time(num_params: float, world_size: int, bandwidth: float, param_bytes: float = 2,
+                   grad_bytes: float = 2, units: int = 1, alpha: float = NCCL_ALPHA) -> float:
+    """FSDP (ZeRO-3): all-gather the parameters for forward, again for backward, and
+    reduce-scatter the gradients: 3 x (N-1)/N of the model against DDP's 2 x (N-1)/N.
+    ``units`` is the number of wrapped modules; each does its own three collectives."""
+    gather = collective_time("all_gather", num_params * param_bytes / units, world_size, bandwidth, alpha)
+    scatter = collective_time("reduce_scatter", num_params * grad_bytes / units, world_size, bandwidth, alpha)
+    return units * (2 * gather + scatter)
+
+
+def tp_comm_time(tokens: float, hidden: int, layers: int, tp_size: int, bandwidth: float,
+                 act_bytes: float = 2, alpha: float = NCCL_ALPHA) -> float:
+    """Megatron tensor parallel: each layer all-reduces its (tokens x hidden) activations
+    after attention and after the MLP in forward, and the same two in backward."""
+    one = collective_time("all_reduce", tokens * hidden * act_bytes, tp_size, bandwidth, alpha)
+    return 4 * layers * one
+
+
+def compute_time(num_params: float, tokens: float, flops: float = B200_BF16_FLOPS,
+                 mfu: float = 0.4) -> float:
+    """Forward plus backward of a dense transformer: about 6 flops per parameter per token,
+    at ``mfu`` (model flops utilisation, 0.3-0.5 is good) of the GPU's peak."""
+    return 6 * num_params * tokens / (flops * mfu)
+
+
+def transformer_shape(num_params: float) -> tuple[int, int]:
+    """(layers, hidden) of a Llama-like model of about ``num_params`` parameters:
+    12 * layers * hidden**2 parameters with hidden = 128 * layers (7B: 32 x 4096)."""
+    hidden = (num_params * 128 / 12) ** (1 / 3)
+    layers = max(1, round(hidden / 128))
+    return layers, int(round(hidden / 128) * 128) or 128
+
+
+def plan_parallelism(num_params: float, tokens_per_gpu: float, num_gpus: int,
+                     gpu_memory: float = B200_MEMORY, link: str = "nvlink5",
+                     gpus_per_node: int = 8, mfu: float = 0.4) -> list[dict]:
+    """Each strategy's memory per GPU, communication and compute per step, and a verdict.
+
+    Model states use ZeRO's mixed-precision Adam formulas (:func:`zero_memory`, K=12) and
+    must fit in ``ACTIVATION_HEADROOM`` of ``gpu_memory``; communication uses ring
+    collectives over ``link`` inside a node and InfiniBand between nodes; compute is
+    6 N T flops. The step time of DDP and FSDP is max(comm, compute), as they overlap the
+    two; tensor parallel's all-reduces sit on the critical path (comm + compute); a
+    pipeline's bubble is idle time. The strategy marked ``recommended`` is, among those that
+    fit, the simplest within 10% of the fastest step. None is marked when nothing fits.
+    """
+    inside = link_bandwidth(link)
+    across = min(inside, IB_NDR_PER_GPU) if num_gpus > gpus_per_node else inside
+    node = min(num_gpus, gpus_per_node)
+    budget = ACTIVATION_HEADROOM * gpu_memory
+    layers, hidden = transformer_shape(num_params)
+    compute = compute_time(num_params, tokens_per_gpu, mfu=mfu)
+    rows = []
+
+    def add(name, memory, comm, overlapped, why):
+        step = max(comm, compute) if overlapped else comm + compute
+        rows.append({"strategy": name, "memory": memory, "fits": memory <= budget, "comm": comm,
+                     "compute": compute, "step": step, "why": why, "recommended": False})
+
+    add("DDP", zero_memory(num_params, 1, 0), dp_comm_time(num_params, num_gpus, across), True,
+        "a full replica per GPU; one gradient all-reduce per step, overlapped with backward")
+    if num_gpus > gpus_per_node:
+        add("HSDP", zero_memory(num_params, node, 3),
+            fsdp_comm_time(num_params, node, inside, units=layers)
+            + dp_comm_time(num_params / node, num_gpus // node, IB_NDR_PER_GPU), True,
+            "sharded inside a node over the fast link, replicated across nodes: only a "
+            "gradient shard crosses the network")
+    add("FSDP", zero_memory(num_params, num_gpus, 3),
+        fsdp_comm_time(num_params, num_gpus, across, units=layers), True,
+        "everything sharded over all GPUs; 1.5x DDP's traffic" +
+        (", all of it over the slower network between nodes" if num_gpus > gpus_per_node else ""))
+    replicas = max(1, num_gpus // node)
+    tp_why = f"each layer split over the {node} GPUs of a node; 4 activation all-reduces per layer " \
+             "that nothing overlaps"
+    if link == "pcie5":
+        tp_why += "; over PCIe they stall every layer"
+    add(f"TP{node} x FSDP", zero_memory(num_params / node, replicas, 3),
+        tp_comm_time(tokens_per_gpu * node, hidden, layers, node, inside)
+        + fsdp_comm_time(num_params / node, replicas, across, units=layers), False, tp_why)
+    stages = min(num_gpus, layers)
+    microbatches = 4 * stages
+    bubble = (stages - 1) / (microbatches + stages - 1)
+    add(f"PP{stages}", zero_memory(num_params / stages, 1, 0), bubble / (1 - bubble) * compute, False,
+        f"layers cut into {stages} stages; little traffic, but {bubble:.0%} of the time idle in the "
+        f"bubble ({microbatches} micro-batches; counted as comm)")
+
+    fitting = [r for r in rows if r["fits"]]
+    if fitting:  # rows are in order of simplicity: take the first that is nearly the fastest
+        best = min(r["step"] for r in fitting)
+        next(r for r in fitting if r["step"] <= 1.1 * best)["recommended"] = True
+    return rows
+
+
+def recommend(rows) -> str:
+    """One sentence saying which of ``plan_parallelism``'s rows to use, and why."""
+    chosen = next((r for r in rows if r["recommended"]), None)
+    if chosen is None:
+        least = min(rows, key=lambda r: r["memory"])
+        return (f"nothing fits: even {least['strategy']} needs {least['memory'] / 1e9:,.0f} GB of model "
+                "states per GPU. Add GPUs, or shrink the states (8-bit optimizer, CPU offload).")
+    ratio = chosen["comm"] / chosen["compute"]
+    verdict = ("communication dominates: more tokens per GPU (gradient accumulation) or a faster "
+               "link would pay off" if ratio > 1 else "compute dominates, as it should")
+    return (f"{chosen['strategy']}: {chosen['why']}. Step about {chosen['step'] * 1e3:,.0f} ms, "
+            f"comm/compute {ratio:.2f}: {verdict}.")
