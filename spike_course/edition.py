@@ -28,6 +28,23 @@ def title_of(notebook, fallback: str) -> str:
     return fallback
 
 
+def save_chapter_figure(notebook, target: Path) -> Path | None:
+    """Save the figure that stands for a chapter: the first image of a cell tagged
+    ``chapter-figure``, else the notebook's first image (used for the README's map)."""
+    import base64
+
+    cells = [c for c in notebook.cells if c.cell_type == "code"]
+    tagged = [c for c in cells if "chapter-figure" in c.metadata.get("tags", [])]
+    for cell in tagged + cells:
+        for output in cell.get("outputs", []):
+            image = output.get("data", {}).get("image/png")
+            if image:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(base64.b64decode(image))
+                return target
+    return None
+
+
 def render(path: Path, out_dir: Path, timeout: int = 600) -> dict:
     """Execute one notebook and write its HTML; return what the index needs to know."""
     from nbclient import NotebookClient
@@ -43,12 +60,14 @@ def render(path: Path, out_dir: Path, timeout: int = 600) -> dict:
     except Exception as failure:  # keep what ran: the page shows where it stopped
         error = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:300]}"
     seconds = time.perf_counter() - started
+    figure = save_chapter_figure(notebook, out_dir / "figures" / path.parent.name / f"{path.stem}.png")
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(notebook)
     target = out_dir / path.parent.name / f"{path.stem}.html"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(body)
     return {"title": title_of(notebook, path.stem), "href": f"{path.parent.name}/{path.stem}.html",
-            "seconds": seconds, "error": error, "folder": path.parent.name}
+            "seconds": seconds, "error": error, "folder": path.parent.name,
+            "figure": figure.relative_to(out_dir).as_posix() if figure else None}
 
 
 def write_index(pages: list[dict], out_dir: Path) -> Path:
@@ -56,8 +75,9 @@ def write_index(pages: list[dict], out_dir: Path) -> Path:
     for page in pages:
         status = (f'<span class="bad">failed: {html.escape(page["error"])}</span>' if page["error"]
                   else f'{page["seconds"]:.0f} s')
+        figure = f'<img src="{page["figure"]}" height="90">' if page["figure"] else ""
         rows.append(f'<tr><td><a href="{page["href"]}">{html.escape(page["title"])}</a></td>'
-                    f'<td>{page["folder"]}</td><td>{status}</td></tr>')
+                    f'<td>{page["folder"]}</td><td>{status}</td><td>{figure}</td></tr>')
     index = out_dir / "index.html"
     index.write_text(f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>spike-course: distributed PyTorch</title>
@@ -66,7 +86,7 @@ td{{padding:.2em 1em .2em 0}} .bad{{color:#b00}}</style></head><body>
 <h1>Distributed PyTorch on (fractions of) GPUs</h1>
 <p>The rendered edition of the course: every notebook executed on {html.escape(_machine())},
 with its outputs and figures. The times are what each notebook took to run here.</p>
-<table><tr><th>chapter</th><th>part</th><th>run time</th></tr>
+<table><tr><th>chapter</th><th>part</th><th>run time</th><th></th></tr>
 {chr(10).join(rows)}
 </table></body></html>
 """)
