@@ -18,3 +18,13 @@ def close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
     actual = torch.as_tensor(actual, dtype=torch.float64)
     expected = torch.as_tensor(expected, dtype=torch.float64)
     return actual.shape == expected.shape and torch.allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+def all_close(actual: dict, expected: dict, factor: float = 1.0, rtol: float = 1e-5,
+              atol: float = 1e-6) -> bool:
+    """True when every tensor of ``expected`` (a dict by name), times ``factor``, agrees
+    with the tensor of the same name in ``actual``."""
+    import torch
+
+    return all(close(actual[k], factor * torch.as_tensor(expected[k], dtype=torch.float64), rtol, atol)
+               for k in expected)

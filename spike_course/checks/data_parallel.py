@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import CheckFailed, close, passed
+from ._common import CheckFailed, all_close, passed
 
 
 def _dp_max_diff(a: dict, b: dict) -> tuple[float, str]:
@@ -18,12 +18,8 @@ def _dp_max_diff(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
-def _dp_all_close(a: dict, b: dict, rtol: float, atol: float) -> bool:
-    return a.keys() == b.keys() and all(close(a[k], b[k], rtol=rtol, atol=atol) for k in a)
-
-
-def _dp_scaled(tensors: dict, factor: float) -> dict:
-    return {name: value * factor for name, value in tensors.items()}
+def _dp_all_close(a: dict, b: dict, rtol: float, atol: float, factor: float = 1.0) -> bool:
+    return a.keys() == b.keys() and all_close(a, b, factor, rtol, atol)
 
 
 def check_data_parallel(ranks: dict, reference: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
@@ -57,12 +53,12 @@ def check_data_parallel(ranks: dict, reference: dict, rtol: float = 1e-4, atol: 
                 "the replicas drift apart. all_reduce every p.grad before optimizer.step().")
     grads, expected = zero["grads"], reference["grads"]
     if not _dp_all_close(grads, expected, rtol, atol):
-        if world_size > 1 and _dp_all_close(grads, _dp_scaled(expected, world_size), rtol, atol):
+        if world_size > 1 and _dp_all_close(grads, expected, rtol, atol, factor=world_size):
             raise CheckFailed(
                 f"the gradients were summed but not averaged: they are {world_size} (the world size) times "
                 "the single-process gradient. all_reduce with ReduceOp.SUM adds the ranks' gradients; divide "
                 "by dist.get_world_size() afterwards to get the mean over the whole batch.")
-        if world_size > 1 and _dp_all_close(grads, _dp_scaled(expected, 1 / world_size), rtol, atol):
+        if world_size > 1 and _dp_all_close(grads, expected, rtol, atol, factor=1 / world_size):
             raise CheckFailed(
                 f"the gradients are 1/{world_size} of the single-process gradient: divided by the world size "
                 "twice (ReduceOp.AVG already averages), or divided without all-reducing first.")

@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import CheckFailed, close, passed
-
-
-def _state_close(a: dict, b: dict, rtol: float, atol: float) -> bool:
-    return all(close(_as_double(a[k]), _as_double(b[k]), rtol, atol) for k in b)
-
-
-def _as_double(x):
-    import torch
-
-    return torch.as_tensor(x).double()
+from ._common import CheckFailed, all_close, passed
 
 
 def check_fedavg(before, samples, after, rtol: float = 1e-5, atol: float = 1e-6) -> None:
@@ -33,7 +23,7 @@ def check_fedavg(before, samples, after, rtol: float = 1e-5, atol: float = 1e-6)
         raise CheckFailed(f"the aggregated parameters lack {missing}: average every parameter of the model")
     total = float(sum(samples))
     expected = fedavg_reference(before, samples)
-    ok = [_state_close(a, expected, rtol, atol) for a in after]
+    ok = [all_close(a, expected, 1.0, rtol, atol) for a in after]
     if all(ok):
         passed(f"all {n} ranks hold the sample-weighted mean of the sites' parameters (n_k = {list(samples)})")
         return
@@ -42,8 +32,7 @@ def check_fedavg(before, samples, after, rtol: float = 1e-5, atol: float = 1e-6)
         return fedavg_reference(before, weights) if sum(weights) else None
 
     def matches(candidate, factor=1.0):
-        cand = {k: v * factor for k, v in candidate.items()}
-        return all(_state_close(a, cand, rtol, atol) for a in after)
+        return all(all_close(a, candidate, factor, rtol, atol) for a in after)
 
     unweighted = scaled([1] * n)
     if matches(unweighted):
@@ -62,12 +51,11 @@ def check_fedavg(before, samples, after, rtol: float = 1e-5, atol: float = 1e-6)
     if matches(expected, 1 / n):
         raise CheckFailed("the result is N times too small: you divided by the number of ranks on top "
                           "of weighting by n_k / n, whose weights already add up to 1.")
-    if all(_state_close(a, b, rtol, atol) for a, b in zip(after, before)):
+    if all(all_close(a, b, 1.0, rtol, atol) for a, b in zip(after, before)):
         raise CheckFailed("the parameters did not change. all_reduce works in place on the tensor you pass "
                           "it: if you flattened the parameters into a new tensor (parameters_to_vector), "
                           "copy the result back (vector_to_parameters), or reduce p.data itself.")
-    if all(_state_close(a, {k: _as_double(v) * (m / total) for k, v in b.items()}, rtol, atol)
-           for a, b, m in zip(after, before, samples)):
+    if all(all_close(a, b, m / total, rtol, atol) for a, b, m in zip(after, before, samples)):
         raise CheckFailed("each rank holds only its own scaled parameters n_k / n * w_k: the all-reduce "
                           "that adds them up is missing, or its result was not copied back.")
     if ok[0] and not all(ok):

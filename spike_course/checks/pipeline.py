@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import CheckFailed, close, passed
+from ._common import CheckFailed, all_close, close, passed
 
 
 def _scale_between(actual: dict, expected: dict) -> float:
@@ -13,12 +13,6 @@ def _scale_between(actual: dict, expected: dict) -> float:
               for k in expected)
     den = sum(float(torch.as_tensor(expected[k]).double().pow(2).sum()) for k in expected)
     return num / den if den else float("nan")
-
-
-def _all_close(actual: dict, expected: dict, factor: float = 1.0, rtol: float = 1e-4, atol: float = 1e-6) -> bool:
-    import torch
-
-    return all(close(actual[k], factor * torch.as_tensor(expected[k]), rtol, atol) for k in expected)
 
 
 def pipeline_gradients(grads: dict, reference: dict, microbatches: int, stages: dict | None = None,
@@ -54,24 +48,24 @@ def pipeline_gradients(grads: dict, reference: dict, microbatches: int, stages: 
     shapes = [k for k in reference if tuple(torch.as_tensor(grads[k]).shape) != tuple(torch.as_tensor(reference[k]).shape)]
     if shapes:
         raise CheckFailed(f"gradients of {shapes} have the wrong shape: report param.grad for each parameter")
-    if _all_close(grads, reference, 1.0, rtol, atol):
+    if all_close(grads, reference, 1.0, rtol, atol):
         passed(f"GPipe gradients over {m} micro-batches equal the single-process gradients")
         return
     if last_microbatch is not None:
         for factor in (1.0 / m, 1.0):
-            if _all_close(grads, last_microbatch, factor, rtol, atol):
+            if all_close(grads, last_microbatch, factor, rtol, atol):
                 raise CheckFailed(
                     "only the last micro-batch's gradient is left: gradients must accumulate over "
                     "all micro-batches. Zero them once per step (before the first forward), never "
                     "inside the micro-batch loop, and let every backward add to .grad.")
     scale = _scale_between(grads, reference)
-    if m > 1 and abs(scale - m) < 1e-3 * m and _all_close(grads, reference, scale, rtol, atol):
+    if m > 1 and abs(scale - m) < 1e-3 * m and all_close(grads, reference, scale, rtol, atol):
         raise CheckFailed(
             f"the gradients are {m} x too large: the micro-batch losses were not scaled by 1/m. "
             f"Each micro-batch's loss is a mean over its own samples; adding up the gradients of "
             f"{m} such means gives {m} times the gradient of the whole batch's mean. Divide each "
             f"micro-batch loss by m = {m} before its backward.")
-    if m > 1 and abs(scale - 1 / m) < 1e-3 / m and _all_close(grads, reference, scale, rtol, atol):
+    if m > 1 and abs(scale - 1 / m) < 1e-3 / m and all_close(grads, reference, scale, rtol, atol):
         raise CheckFailed(
             f"the gradients are {m} x too small: the 1/m scaling was applied twice (to the loss "
             f"and again to the gradients, or on both stages). Divide each micro-batch loss by m "
@@ -81,12 +75,12 @@ def pipeline_gradients(grads: dict, reference: dict, microbatches: int, stages: 
     if stages and wrong_stages and len(wrong_stages) < len(set(stages.values())):
         part = {k: reference[k] for k in reference if stages.get(k) in wrong_stages}
         part_scale = _scale_between(grads, part)
-        if m > 1 and abs(part_scale - 1 / m) < 1e-3 / m and _all_close(grads, part, part_scale, rtol, atol):
+        if m > 1 and abs(part_scale - 1 / m) < 1e-3 / m and all_close(grads, part, part_scale, rtol, atol):
             raise CheckFailed(
                 f"stage {wrong_stages}'s gradients are {m} x too small while the other stage is "
                 "right: the 1/m was applied again on the way back. The gradient a stage receives "
                 "is already scaled (the last stage divided its loss by m): use it as it is.")
-        if m > 1 and abs(part_scale - m) < 1e-3 * m and _all_close(grads, part, part_scale, rtol, atol):
+        if m > 1 and abs(part_scale - m) < 1e-3 * m and all_close(grads, part, part_scale, rtol, atol):
             raise CheckFailed(
                 f"stage {wrong_stages}'s gradients are {m} x too large while the other stage is "
                 "right: the micro-batch losses were not scaled by 1/m where this stage's gradient "
