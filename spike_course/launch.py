@@ -214,27 +214,18 @@ def _stream(processes, result, launcher, echo, timeout, started, view):
         os.set_blocking(proc.stdout.fileno(), False)
         selector.register(proc.stdout, selectors.EVENT_READ, key)
         partial[key] = b""
+
+    def emit(key, line):
+        _emit(key, line, result, launcher, echo)
+
     open_pipes = len(processes)
     while open_pipes:
-        for selected, _ in selector.select(timeout=0.2):
-            key = selected.data
-            chunk = selected.fileobj.read()
-            if chunk is None:
-                continue
-            lines = (partial[key] + chunk).split(b"\n")
-            partial[key] = lines.pop()
-            if not chunk and partial[key]:  # end of output without a final newline
-                lines.append(partial[key])
-            for line in lines:
-                _emit(key, line.decode(errors="replace"), result, launcher, echo)
-            if not chunk:
-                selector.unregister(selected.fileobj)
-                open_pipes -= 1
+        open_pipes -= _read_ready(selector, partial, emit, wait=0.2)
         view.refresh()
         if launcher == "spawn" and any(p.poll() not in (None, 0) for p in processes.values()):
             # A rank died: the others would wait forever in their next collective.
             time.sleep(0.5)  # let the dying rank's last lines arrive
-            _drain(selector, partial, result, launcher, echo)
+            _read_ready(selector, partial, emit, wait=0.1, flush=True)
             return
         if timeout is not None and time.perf_counter() - started > timeout:
             result.timed_out = True
@@ -243,12 +234,29 @@ def _stream(processes, result, launcher, echo, timeout, started, view):
         proc.wait()
 
 
-def _drain(selector, partial, result, launcher, echo):
-    for selected, _ in selector.select(timeout=0.1):
-        chunk = selected.fileobj.read() or b""
-        for line in (partial[selected.data] + chunk).split(b"\n"):
-            if line:
-                _emit(selected.data, line.decode(errors="replace"), result, launcher, echo)
+def _read_ready(selector, partial, emit, wait, flush=False) -> int:
+    """Emit the whole lines that the ready pipes hold; return how many pipes reached their end.
+
+    A line without its newline waits in ``partial`` for the rest, unless its pipe ended or
+    ``flush`` says no more will come (the ranks are about to be stopped).
+    """
+    ended = 0
+    for selected, _ in selector.select(timeout=wait):
+        key = selected.data
+        chunk = selected.fileobj.read()
+        if chunk is None:
+            continue
+        lines = (partial[key] + chunk).split(b"\n")
+        partial[key] = lines.pop()
+        if (flush or not chunk) and partial[key]:
+            lines.append(partial[key])
+            partial[key] = b""
+        for line in lines:
+            emit(key, line.decode(errors="replace"))
+        if not chunk:
+            selector.unregister(selected.fileobj)
+            ended += 1
+    return ended
 
 
 def _emit(key, line, result, launcher, echo):
