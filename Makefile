@@ -10,7 +10,7 @@ LAB_PORT ?= 8888
 # Tests use the synthetic digits: same data on every machine, no download.
 export SPIKE_COURSE_DATA ?= synthetic
 
-.PHONY: lab test exercises html clean
+.PHONY: lab test exercises html workers gpu-check flakiness clean
 
 $(BIN)/spike-course: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,23 @@ html: $(BIN)/spike-course
 	$(BIN)/spike-course html --out _build/html
 	@echo "open _build/html/index.html"
 
+# Every chapter's worker scripts in one folder, to copy to the cluster (no notebook runs).
+workers: $(BIN)/spike-course
+	$(BIN)/spike-course workers --out cluster_workers
+
+# On a GPU node: run every lecture and solution, print backend, seconds and pass/fail.
+# Not part of `make test` (CI has no GPU).
+gpu-check: $(BIN)/spike-course
+	$(BIN)/spike-course gpu-check
+
+# How often each chosen test fails in N runs: make flakiness RUNS=10 ITEMS="..."
+RUNS  ?= 10
+ITEMS ?= notebooks/00_welcome_and_setup.ipynb notebooks/07_launching_at_scale.ipynb solutions/07_launching_at_scale.ipynb tests/test_browser.py
+flakiness: $(BIN)/spike-course
+	$(BIN)/python benchmarks/flakiness.py --runs $(RUNS) $(ITEMS)
+
 exercises: $(BIN)/spike-course
 	$(BIN)/spike-course exercises
 
 clean:
-	rm -rf notebooks/workers solutions/workers exercises/workers notebooks/data solutions/data exercises/data _build
+	rm -rf cluster_workers notebooks/workers solutions/workers exercises/workers notebooks/data solutions/data exercises/data _build

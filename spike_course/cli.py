@@ -1,4 +1,4 @@
-"""The ``spike-course`` command: lab, doctor, exercises, run.
+"""The ``spike-course`` command: lab, doctor, exercises, run, grade, html, workers, gpu-check.
 
     spike-course lab [--ip 127.0.0.1] [--port 8888]   JupyterLab on the course, token on
     spike-course doctor                               what this machine can do for the course
@@ -6,6 +6,8 @@
     spike-course run NOTEBOOK [-o OUT]                execute a notebook headless, keep the copy
     spike-course html [--out _build/html]             the rendered edition, with an index page
     spike-course grade NOTEBOOK...                    run learners' exercise notebooks' checks
+    spike-course workers [--out cluster_workers]      every chapter's worker scripts, for torchrun
+    spike-course gpu-check [NAME...]                  run lectures and solutions here, tabulate
 """
 
 from __future__ import annotations
@@ -147,6 +149,37 @@ def cmd_html(args) -> int:
     return 1 if any(page["error"] for page in pages) else 0
 
 
+def cmd_workers(args) -> int:
+    from .workers import export
+
+    out = Path(args.out).resolve()
+    written = export(course_root(), out)
+    for path in written:
+        print(path.relative_to(out))
+    print(f"wrote {len(written)} worker scripts to {out}; each file's first line says how to run it "
+          "(cd there first)")
+    return 0
+
+
+def cmd_gpu_check(args) -> int:
+    from .gpu_check import backend_in_use, execute, notebooks, table
+
+    paths = notebooks(course_root(), args.names)
+    if not paths:
+        print(f"no lecture or solution matches {args.names}", file=sys.stderr)
+        return 2
+    backend = backend_in_use()
+    if not backend.startswith("nccl"):
+        print(f"note: {backend}: this run proves the command works, not that the course runs on GPUs")
+    rows = []
+    for path in paths:
+        rows.append(execute(path, timeout=args.timeout))
+        row = rows[-1]
+        print(f"{row['notebook']}: {'pass' if row['ok'] else 'FAIL'} in {row['seconds']:.0f} s", flush=True)
+    print(table(rows, backend))
+    return 0 if all(row["ok"] for row in rows) else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="spike-course", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +207,13 @@ def main(argv=None) -> int:
     html.add_argument("--with-solutions", action="store_true", help="render solutions/ too")
     html.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     html.set_defaults(func=cmd_html)
+    workers = commands.add_parser("workers", help="write every chapter's worker scripts to a folder")
+    workers.add_argument("--out", default="cluster_workers")
+    workers.set_defaults(func=cmd_workers)
+    gpu = commands.add_parser("gpu-check", help="run lectures and solutions, print a pass/fail table")
+    gpu.add_argument("names", nargs="*", help="only notebooks whose path contains one of these")
+    gpu.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    gpu.set_defaults(func=cmd_gpu_check)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,37 +1,17 @@
 """Per-rank progress while a launch runs: workers write it, the notebook shows it.
 
 A worker calls ``spike_course.runtime.progress(step, total)``; that writes a tiny JSON
-file into the launch's results folder. While ranks run, ``launch`` calls
-``ProgressView.refresh()``, which reads those files and moves one progress bar per rank
+file into the launch's results folder (``protocol.write_progress``). While ranks run,
+``launch`` calls ``ProgressView.refresh()``, which reads those files and moves one progress bar per rank
 (ipywidgets) in JupyterLab. Outside a Jupyter kernel, or when no rank reports progress,
 nothing is shown: the ranks' own printed lines are the plain-text fallback.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
-
-def write_progress(results_dir, rank: int, step: int, total: int, note: str = "") -> None:
-    """Atomically record that ``rank`` has done ``step`` of ``total`` (called by workers)."""
-    path = Path(results_dir) / f"progress{rank}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": step, "total": total, "note": note}))
-    os.replace(tmp, path)  # a reader never sees half a file
-
-
-def read_progress(results_dir) -> dict:
-    """{rank: {"step", "total", "note"}} for every rank that has reported so far."""
-    found = {}
-    for path in Path(results_dir).glob("progress*.json"):
-        try:
-            found[int(path.stem[len("progress"):])] = json.loads(path.read_text())
-        except (ValueError, OSError):
-            continue  # being replaced right now; the next refresh reads it
-    return found
+from .protocol import read_progress
 
 
 def _in_jupyter_kernel() -> bool:

@@ -15,17 +15,15 @@ environment both set and picks the backend from the hardware.
 from __future__ import annotations
 
 import os
-import pickle
 import random
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
-from .launch import PARENT_PID_ENV, RESULTS_DIR_ENV
-from .progress import write_progress
+from .protocol import (COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV, write_progress,
+                       write_result)
 
 BACKENDS = ("gloo", "nccl")
 _reported: dict = {}
@@ -57,7 +55,8 @@ def _env_int(name: str) -> int:
 
 
 def setup(backend: str | None = None, device: str | None = None, seed: int | None = 0,
-          memory_fraction: float | None = None, timeout: float = 60.0) -> Context:
+          memory_fraction: float | None = None, timeout: float | None = None,
+          tf32: bool = False) -> Context:
     """Join the process group and return this rank's :class:`Context`.
 
     backend: "nccl" or "gloo"; by default nccl when CUDA GPUs are present, else gloo.
@@ -66,7 +65,14 @@ def setup(backend: str | None = None, device: str | None = None, seed: int | Non
     seed: seeds python, numpy and torch the same on every rank (None: leave unseeded).
     memory_fraction: cap this process's share of its GPU's memory (e.g. 0.5). It limits
         memory only, not compute, and the GPU's other tenants still compete for SMs.
-    timeout: seconds a collective may wait before it fails, instead of gloo's 30 minutes.
+    timeout: seconds a collective may wait before it fails. By default: 60 s when
+        ``spike_course.launch`` started the ranks (a notebook should not hang for half an
+        hour on a rank that skipped a collective), and PyTorch's own default under plain
+        torchrun (30 min for gloo, 10 min for NCCL), which a slow first batch or a rank-0
+        checkpoint save on a cluster needs.
+    tf32: on CUDA GPUs, let float32 matmuls and cuDNN convolutions use TF32 tensor cores
+        (about 3 decimal digits; PyTorch 2.14 does so for convolutions by default). False
+        pins full float32, so that a GPU run can be compared with a float32 CPU reference.
     """
     import torch
     import torch.distributed as dist
@@ -109,8 +115,16 @@ def setup(backend: str | None = None, device: str | None = None, seed: int | Non
     else:
         torch_device = torch.device("cpu")
 
+    if device_type == "cuda":
+        precision = "tf32" if tf32 else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
+
     if not dist.is_initialized():
-        options = {"backend": backend, "timeout": timedelta(seconds=timeout)}
+        options = {"backend": backend}
+        timeout = timeout if timeout is not None else os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+        if timeout is not None:  # else init_process_group's default for the backend
+            options["timeout"] = timedelta(seconds=float(timeout))
         if backend == "nccl":
             options["device_id"] = torch_device  # binds the communicator to this rank's GPU
         dist.init_process_group(**options)
@@ -139,12 +153,7 @@ def report(**values) -> None:
     if not results_dir:
         return
     _reported.update({key: _to_cpu(value) for key, value in values.items()})
-    rank = int(os.environ.get("RANK", 0))
-    path = Path(results_dir) / f"rank{rank}.pkl"
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(_reported, f)
-    os.replace(tmp, path)
+    write_result(results_dir, int(os.environ.get("RANK", 0)), _reported)
 
 
 def progress(step: int, total: int, note: str = "") -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from spike_course.launch import free_port, stop_process_tree
+from spike_course.launcher import free_port, stop_process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -88,7 +88,7 @@ def _accept_kernel(page, seconds: float = 90):
 
 
 def test_welcome_notebook_runs_in_jupyterlab(jupyterlab):
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     url, token = jupyterlab
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -101,11 +101,19 @@ def test_welcome_notebook_runs_in_jupyterlab(jupyterlab):
 
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
         page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        explorer = page.locator(".spike-course-explorer")
+        progress = page.locator(".spike-course-progress")
         try:
             # The last worker's check prints this line; wait for it, then for the kernel to be idle.
             page.wait_for_selector(".jp-OutputArea-output:has-text('after training alone the ranks')",
                                    timeout=480_000)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+            # JupyterLab renders an output after the kernel reported it, so an idle kernel does not
+            # mean every image and widget is in the page yet: wait for each element asserted on.
+            page.locator(".jp-RenderedImage img").nth(1).wait_for(state="attached", timeout=60_000)
+            explorer.locator(".widget-slider").first.wait_for(state="attached", timeout=60_000)
+            progress.locator(".widget-hprogress").nth(1).wait_for(state="attached", timeout=60_000)
+            expect(progress).to_contain_text("20/20", timeout=60_000)
         finally:
             text = page.locator(".jp-Notebook").inner_text()
             (SHOTS / "welcome_notebook.txt").write_text(text)  # what the page showed, for a failing run
@@ -118,12 +126,9 @@ def test_welcome_notebook_runs_in_jupyterlab(jupyterlab):
         assert "[rank 0] hello from rank 0 of 3" in text
         assert "[rank 2] hello from rank 2 of 3" in text
         assert page.locator(".jp-RenderedImage img").count() >= 2  # the digit grid and the explorer's page
-        explorer = page.locator(".spike-course-explorer")
         assert explorer.locator(".widget-slider").count() == 1, "the explorer widget is not rendered"
         assert "VBox(children=" not in text, "widgets fell back to text: the widget manager is missing"
-        bars = page.locator(".spike-course-progress .widget-hprogress")
-        assert bars.count() == 2, "expected one progress bar per rank"
-        assert "20/20" in page.locator(".spike-course-progress").inner_text()
+        assert progress.locator(".widget-hprogress").count() == 2, "expected one progress bar per rank"
 
         # One picture with the explorer at the top and the progress bars below it.
         news = page.locator(".jp-toast-button", has_text="No")

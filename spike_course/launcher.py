@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
 import re
 import selectors
 import shutil
@@ -35,13 +34,13 @@ from pathlib import Path
 import psutil
 
 from .progress import ProgressView
-
-# Environment variables shared with spike_course.runtime (which runs inside the ranks).
-RESULTS_DIR_ENV = "SPIKE_COURSE_RESULTS_DIR"
-PARENT_PID_ENV = "SPIKE_COURSE_PARENT_PID"
+from .protocol import COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV, read_results
 
 LAUNCHERS = ("spawn", "torchrun")
 TAIL_LINES = 25
+# A collective that waits longer than this inside a notebook launch is a bug (a rank skipped
+# it), not slow work: fail within a minute instead of gloo's 30 (runtime.setup reads it).
+NOTEBOOK_COLLECTIVE_TIMEOUT = 60
 
 # torchrun's --tee prefixes each worker line with "[<role><local_rank>]:", or with
 # "[<role><local_rank>]:[rank<global_rank>]:" once the workers' ranks are known.
@@ -150,7 +149,7 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "spawn", timeout:
         # Whatever happened (done, failed rank, timeout, KeyboardInterrupt), nothing survives.
         stop_process_tree(list(processes.values()))
         result.seconds = time.perf_counter() - started
-        result.results = _read_results(results_dir)
+        result.results = read_results(results_dir)
         view.close()
         shutil.rmtree(results_dir, ignore_errors=True)
 
@@ -169,6 +168,7 @@ def _child_env(extra, nproc, omp_threads, results_dir):
     # Each rank gets its share of the cores; more threads than cores makes CPU training crawl.
     threads = omp_threads or max(1, (os.cpu_count() or 1) // nproc)
     child_env.setdefault("OMP_NUM_THREADS", str(threads))
+    child_env.setdefault(COLLECTIVE_TIMEOUT_ENV, str(NOTEBOOK_COLLECTIVE_TIMEOUT))
     child_env.update({
         "PYTHONUNBUFFERED": "1",
         RESULTS_DIR_ENV: str(results_dir),
@@ -304,14 +304,6 @@ def stop_process_tree(processes, grace: float = 3.0):
             pass
         if proc.stdout is not None:
             proc.stdout.close()
-
-
-def _read_results(results_dir):
-    results = {}
-    for path in sorted(results_dir.glob("rank*.pkl")):
-        with open(path, "rb") as f:
-            results[int(path.stem[4:])] = pickle.load(f)
-    return results
 
 
 def _torchrun_returncodes(result, torchrun_code):

@@ -1,0 +1,71 @@
+"""``spike-course gpu-check``: run every lecture and solution on this machine and tabulate.
+
+Meant for a CUDA node (a DGX, or a Run:ai job with GPUs): each notebook runs headless
+from start to end, as a learner's "Run all" would, and one row says which backend its
+workers used, how long it took, and the first cell that failed. On a machine without a
+GPU it runs the same notebooks on the CPU, which shows the command works end to end but
+proves nothing about GPUs; the table says which it was. Not part of ``make test``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import nbformat
+
+SOURCES = ("notebooks", "solutions")
+
+
+def backend_in_use(nproc: int = 2) -> str:
+    """What ``runtime.setup()`` picks for a chapter's usual ``nproc`` ranks on this machine."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= nproc:
+        return f"nccl ({gpus} GPUs)"
+    if gpus:
+        return f"gloo, cpu ({gpus} GPU < {nproc} ranks)"
+    return "gloo, cpu (no GPU)"
+
+
+def execute(path, timeout: int = 600) -> dict:
+    """Run one notebook in its own folder; return seconds, ok and the first failing cell."""
+    from nbclient import NotebookClient
+
+    path = Path(path)
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    started = time.perf_counter()
+    try:
+        client.execute()
+    except Exception as error:  # a failing cell, a timeout or a dead kernel: report, go on
+        failure = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
+    else:
+        failure = None
+    seconds = time.perf_counter() - started
+    cell = next((i for i, c in enumerate(notebook.cells) if c.cell_type == "code"
+                 and any(o.output_type == "error" for o in c.get("outputs", []))), None)
+    if failure is not None and cell is not None:
+        error = next(o for o in notebook.cells[cell].outputs if o.output_type == "error")
+        failure = f"cell {cell}: {error.ename}: {error.evalue[:200]}"
+    return {"notebook": f"{path.parent.name}/{path.name}", "seconds": seconds,
+            "ok": failure is None, "failure": failure}
+
+
+def notebooks(root, only=()) -> list[Path]:
+    """Lectures, then solutions, in chapter order; ``only`` keeps names containing one of them."""
+    found = [p for folder in SOURCES for p in sorted((Path(root) / folder).glob("[0-9][0-9]_*.ipynb"))]
+    return [p for p in found if not only or any(key in str(p) for key in only)]
+
+
+def table(rows, backend: str) -> str:
+    lines = [f"{'notebook':48s} {'backend':28s} {'seconds':>8s}  result",
+             f"{'-' * 48} {'-' * 28} {'-' * 8}  ------"]
+    for row in rows:
+        result = "pass" if row["ok"] else f"FAIL {row['failure']}"
+        lines.append(f"{row['notebook']:48s} {backend:28s} {row['seconds']:8.1f}  {result}")
+    passed = sum(row["ok"] for row in rows)
+    lines.append(f"{passed} passed, {len(rows) - passed} failed")
+    return "\n".join(lines)

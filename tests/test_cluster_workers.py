@@ -1,0 +1,149 @@
+"""Worker scripts are cluster programs: they run under bare torchrun, without the notebook side.
+
+Each test exports the chapters' workers the way a learner does (``spike-course workers``)
+and starts one under ``python -m torch.distributed.run --standalone --nproc-per-node=2``
+in a Python where the launcher, psutil, ipywidgets and matplotlib cannot be imported: a
+``sitecustomize`` refuses them, as a cluster image without them would.
+"""
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from spike_course import launch, workers
+from spike_course.protocol import COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK_SIDE = ("spike_course.launcher", "spike_course.progress", "spike_course.widgets",
+                 "psutil", "ipywidgets", "matplotlib")
+BLOCKER = f"""
+import importlib.abc
+import sys
+
+BLOCKED = {NOTEBOOK_SIDE!r}
+
+
+class NotOnTheCluster(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            raise ModuleNotFoundError(f"{{name}} is notebook-side: a worker must not import it",
+                                      name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotOnTheCluster())
+"""
+
+# One worker per chapter, with arguments that keep it to seconds on 2 cores.
+WORKERS = {
+    "03_data_parallel/train.py": ["--experiments", "by-hand,ddp,train", "--steps", "2",
+                                  "--train-samples", "256", "--test-samples", "128", "--epochs", "1"],
+    "04_pipeline_parallel/schedules.py": ["--width", "64", "--blocks", "2", "--microbatch-size", "8",
+                                          "--microbatches", "2", "--interleaved"],
+    "05_tensor_parallel/api_tp.py": ["--steps", "2"],
+    "06_fully_sharded_data_parallel/fsdp2.py": ["--steps", "2", "--factors", "1", "2"],
+    "07_launching_at_scale/train.py": ["--steps", "4", "--limit", "256", "--ckpt", "ckpt.pt"],
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The exported workers and an environment like a cluster node's: no notebook side."""
+    folder = tmp_path_factory.mktemp("cluster")
+    workers.export(ROOT, folder / "workers")
+    (folder / "site").mkdir()
+    (folder / "site" / "sitecustomize.py").write_text(BLOCKER)
+    env = {k: v for k, v in os.environ.items()
+           if k not in (RESULTS_DIR_ENV, PARENT_PID_ENV, COLLECTIVE_TIMEOUT_ENV)}
+    env.update(PYTHONPATH=str(folder / "site"), SPIKE_COURSE_DATA="synthetic", OMP_NUM_THREADS="1")
+    return folder, env
+
+
+def torchrun(folder, env, script, args=(), timeout=300):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(script), *args]
+    return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("name", sorted(WORKERS))
+def test_worker_runs_under_bare_torchrun(cluster, name):
+    folder, env = cluster
+    done = torchrun(folder, env, folder / "workers" / name, WORKERS[name])
+    assert done.returncode == 0, f"{name} failed under bare torchrun:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def test_the_blocker_catches_a_notebook_import(cluster):
+    """Proof that the test above would fail: a worker that imports the launcher does."""
+    folder, env = cluster
+    script = folder / "imports_launcher.py"
+    script.write_text("from spike_course import runtime\nfrom spike_course.launcher import free_port\n")
+    done = torchrun(folder, env, script, timeout=120)
+    assert done.returncode != 0
+    assert "spike_course.launcher is notebook-side" in done.stdout + done.stderr
+
+
+TIMEOUT_PROBE = """
+import torch
+import torch.distributed as dist
+from spike_course import runtime
+
+ctx = runtime.setup()
+seconds = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+if ctx.is_main:
+    print(f"collective timeout {seconds:g}", flush=True)
+runtime.report(timeout=seconds)
+runtime.teardown()
+"""
+
+
+def test_collective_timeout_is_pytorchs_under_torchrun_and_short_under_launch(cluster):
+    import torch.distributed as dist
+
+    folder, env = cluster
+    script = folder / "timeout_probe.py"
+    script.write_text(TIMEOUT_PROBE)
+    done = torchrun(folder, env, script, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    default = dist.constants.default_pg_timeout  # gloo's: 30 minutes
+    assert f"collective timeout {default.total_seconds():g}" in done.stdout, done.stdout
+
+    launched = launch(script, nproc=2, echo=False)
+    assert {r["timeout"] for r in launched.results.values()} == {60.0}
+    assert default > timedelta(seconds=60)
+
+
+def test_spike_course_workers_writes_every_chapter_with_its_run_line(tmp_path):
+    from spike_course.cli import main
+
+    assert main(["workers", "--out", str(tmp_path)]) == 0
+    chapters = {p.parent.name for p in tmp_path.glob("*/*.py")}
+    lectures = {p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    # Chapter 00 to 09 write Python workers (01 also a C program, which stays in its notebook).
+    assert chapters == lectures
+    for path in tmp_path.glob("*/*.py"):
+        first = path.read_text().splitlines()[0]
+        relative = f"{path.parent.name}/{path.name}"
+        assert (first.startswith('"""torchrun --standalone --nproc-per-node=') and relative in first
+                or first.startswith(f'"""python {relative}') or "not run on its own" in first), first
+        compile(path.read_text(), str(path), "exec")  # a SyntaxError fails the test
+    assert "### BEGIN SOLUTION" not in (tmp_path / "07_launching_at_scale" / "checkpointing.py").read_text()
+
+
+def test_gpu_check_names_the_first_failing_cell(tmp_path):
+    import nbformat
+
+    from spike_course.gpu_check import execute, table
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1"),
+                                               nbformat.v4.new_code_cell("assert x == 2, 'x is not 2'"),
+                                               nbformat.v4.new_code_cell("y = 1 / 0")])
+    path = tmp_path / "broken.ipynb"
+    nbformat.write(notebook, path)
+    row = execute(path, timeout=60)
+    assert not row["ok"] and row["failure"] == "cell 1: AssertionError: x is not 2"
+    assert "FAIL cell 1: AssertionError" in table([row], "gloo, cpu (no GPU)")
