@@ -204,7 +204,10 @@ def _launch(script, folder, args, max_restarts=0):
 
 
 def _explain_failure(output):
-    tail = "\n".join(output.strip().splitlines()[-25:])
+    # The ranks' tracebacks come first; torchrun's own (ChildFailedError) and summary follow.
+    start = output.find("Traceback (most recent call last)")
+    lines = output[start:].splitlines() if start >= 0 else output.strip().splitlines()[-25:]
+    tail = "\n".join(lines[:30])
     if "mutually exclusive with shuffle" in output:
         return ("DataLoader refused sampler= together with shuffle=True: the DistributedSampler "
                 "shuffles (differently every epoch, once you call set_epoch), so remove shuffle=True "
@@ -309,14 +312,15 @@ def check_capstone_job(script, folder) -> None:
 
     # Run 1: one epoch from scratch.
     code, output, calls = _launch(script, folder, args + ["--epochs", 1])
-    if code != 0:
-        raise CheckFailed(_explain_failure(output))
     saves = [c for c in calls if c["call"] == "save"]
     savers = sorted({c["rank"] for c in saves})
-    if savers and savers != [0]:
+    if savers and savers != [0]:  # checked first: it is often what made the run fail
         raise CheckFailed(f"ranks {savers} all called torch.save: every rank holds the same model, so "
                           "only rank 0 should write (if rank == 0: ...), then dist.barrier(). Several "
-                          "ranks writing one file at once can leave a corrupt checkpoint.")
+                          "ranks writing one file at once leave a corrupt checkpoint, or one rank's "
+                          "os.replace finds the temporary file already gone.")
+    if code != 0:
+        raise CheckFailed(_explain_failure(output))
     if not checkpoint.exists():
         raise CheckFailed(f"no checkpoint at --checkpoint {checkpoint.name} after the epoch: rank 0 must "
                           "save it there at the end of every epoch.")
