@@ -348,6 +348,10 @@ def check_capstone_job(script, folder) -> None:
     gap = _compare(state["model"], expected)
     # Tolerance 0: the ranks and the reference do the same float operations (see _reference).
     if gap != 0:
+        if _compare(state["model"], _reference(data, epochs=1, set_epoch=False)) == 0:
+            raise CheckFailed("epoch 1 trained on the sampler's epoch-0 shuffle, which is what happens "
+                              "when set_epoch is never called (every epoch then has the same shuffle "
+                              "as epoch 1): call train_sampler.set_epoch(epoch) before each epoch.")
         train_loaders = [c for c in calls if c["call"] == "__init__" and c["size"] == TRAIN_SAMPLES]
         if train_loaders and any(c["sampler"] != "DistributedSampler" for c in train_loaders):
             raise CheckFailed("the training DataLoader has no DistributedSampler: every rank trains on "
