@@ -49,6 +49,8 @@ def run_line(relative: str, source: str, siblings: dict[str, str], nproc: int) -
     if any(re.search(rf"^\s*(from {stem} import|import {stem}\b)", other, re.M)
            for path, other in siblings.items() if path != relative):
         return f"A module that the other workers of {Path(relative).parent} import; not run on its own."
+    if "torch.distributed" not in source and "spike_course" not in source:
+        return f"python {relative}    (one process: it uses no torch.distributed)"
     if "mp.spawn(" in source or "torch.multiprocessing.spawn(" in source:
         return f"python {relative}    (it starts its own processes with torch.multiprocessing.spawn)"
     options = "  [options: --help]" if "add_argument(" in source else ""

@@ -22,3 +22,4 @@ from .pipeline import pipeline_gradients
 from .sampling import check_sampler
 from .tensor_parallel import check_parallel_linear
 from .zero import zero1_matches_ddp
+from .capstone import check_capstone_job, check_capstone_submit
