@@ -2,8 +2,8 @@
 
 A worker calls ``spike_course.runtime.progress(step, total)``; that writes a tiny JSON
 file into the launch's results folder (``protocol.write_progress``). While ranks run,
-``launch`` calls ``ProgressView.refresh()``, which reads those files and moves one progress bar per rank
-(ipywidgets) in JupyterLab. Outside a Jupyter kernel, or when no rank reports progress,
+``launch`` calls ``ProgressView.refresh()``, which reads those files and moves one
+progress bar per rank (ipywidgets) in JupyterLab. Outside a Jupyter kernel, or when no rank reports progress,
 nothing is shown: the ranks' own printed lines are the plain-text fallback.
 """
 

@@ -17,12 +17,10 @@ import nbformat
 SOURCES = ("notebooks", "solutions")
 _WRITEFILE = re.compile(r"^%%writefile\s+workers/(\S+)\s*\n")
 _SOLUTION_MARKER = re.compile(r"^\s*### (BEGIN|END) SOLUTION\s*\n", re.M)
-_NUMBER = r"(\d+)"
 
 
-def worker_cells(notebook_path) -> dict[str, str]:
+def worker_cells(notebook) -> dict[str, str]:
     """{"NN_topic/name.py": source} for every Python worker a notebook writes."""
-    notebook = nbformat.read(notebook_path, as_version=4)
     found = {}
     for cell in notebook.cells:
         match = _WRITEFILE.match(cell.source) if cell.cell_type == "code" else None
@@ -39,7 +37,7 @@ def _ranks(notebook_source: str, name: str) -> int:
     value = call.group(1)
     if value.isdigit():
         return int(value)
-    constant = re.search(rf"^{value}\s*=\s*{_NUMBER}\b", notebook_source, re.M)
+    constant = re.search(rf"^{value}\s*=\s*(\d+)\b", notebook_source, re.M)
     return int(constant.group(1)) if constant else 2
 
 
@@ -71,8 +69,9 @@ def collect(root) -> dict[str, str]:
     collected = {}
     for folder in SOURCES:
         for notebook_path in sorted((root / folder).glob("[0-9][0-9]_*.ipynb")):
-            cells = worker_cells(notebook_path)
-            notebook_source = "\n".join(c.source for c in nbformat.read(notebook_path, 4).cells)
+            notebook = nbformat.read(notebook_path, as_version=4)
+            cells = worker_cells(notebook)
+            notebook_source = "\n".join(c.source for c in notebook.cells)
             for relative, source in cells.items():
                 if relative in collected:
                     raise ValueError(f"two notebooks write workers/{relative}: give one of them "

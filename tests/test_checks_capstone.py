@@ -8,6 +8,7 @@ run stop the check there; only set_epoch and resume need the second, crashing ru
 
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from spike_course import workers
@@ -16,7 +17,8 @@ from spike_course.runai import submit_command, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "10_capstone_your_own_job"
-SOLUTION = workers.worker_cells(ROOT / "solutions" / f"{STEM}.ipynb")[f"{STEM}/train.py"]
+SOLUTION_NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
+SOLUTION = workers.worker_cells(SOLUTION_NOTEBOOK)[f"{STEM}/train.py"]
 
 
 def plant(tmp_path, old, new):
