@@ -152,8 +152,11 @@ def cmd_html(args) -> int:
 def cmd_workers(args) -> int:
     from .workers import export
 
-    out = Path(args.out).resolve()
-    written = export(course_root(), out)
+    out, root = Path(args.out).resolve(), course_root()
+    if not (root / "notebooks").is_dir():
+        print(f"no notebooks/ in {root} or above: run this inside the course checkout", file=sys.stderr)
+        return 2
+    written = export(root, out)
     for path in written:
         print(path.relative_to(out))
     print(f"wrote {len(written)} worker scripts to {out}; each file's first line says how to run it "
