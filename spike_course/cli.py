@@ -114,7 +114,9 @@ def cmd_run(args) -> int:
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(notebook, timeout=args.timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
-    out = Path(args.output) if args.output else path.with_name(path.stem + ".executed.ipynb")
+    # Not beside the notebook: nbval and the notebook tests would collect the executed copy.
+    out = Path(args.output) if args.output else Path("_build", "executed", path.parent.name, path.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         client.execute()
         status = 0
@@ -198,7 +200,7 @@ def main(argv=None) -> int:
     exercises.set_defaults(func=cmd_exercises)
     run = commands.add_parser("run", help="execute a notebook headless and write the executed copy")
     run.add_argument("notebook")
-    run.add_argument("-o", "--output", help="where to write it (default: NAME.executed.ipynb)")
+    run.add_argument("-o", "--output", help="where to write it (default: _build/executed/FOLDER/NAME.ipynb)")
     run.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     run.set_defaults(func=cmd_run)
     grade_ = commands.add_parser("grade", help="run the check cells of exercise notebooks")
