@@ -133,12 +133,13 @@ def cmd_grade(args) -> int:
 
     failed = 0
     for name in args.notebooks:
-        checks = grade(name, timeout=args.timeout)
+        checks = grade(name, timeout=args.timeout, solutions_dir=course_root() / "solutions")
         passed = sum(check["error"] is None for check in checks)
         print(f"{name}: {passed} of {len(checks)} checks pass")
         for check in checks:
             if check["error"]:
-                print(f"  cell {check['index']}: {check['error'].strip()[:500]}")
+                where = "deleted check" if check["index"] is None else f"cell {check['index']}"
+                print(f"  {where}: {check['error'].strip()[:500]}")
         failed += passed < len(checks) or not checks
     return 1 if failed else 0
 

@@ -88,3 +88,35 @@ def test_blank_exercise_runs_and_every_check_fails(path):
         if exercises.RAISES_TAG not in cell["tags"]:
             assert not cell["error"], (f"{path.name} cell {cell['index']} failed on the blank exercise:\n"
                                        f"{cell['source']}\n{cell['error']}")
+
+
+def test_grade_runs_the_course_checks_not_the_learners(tmp_path):
+    """A check cell edited to pass still fails a wrong (here: blank) answer: grade puts the
+    course's check back before it runs the notebook."""
+    name = "02_distributed_sampling.ipynb"
+    learner = nbformat.read(ROOT / "exercises" / name, as_version=4)
+    for cell in learner.cells:
+        if exercises.CHECK_TAG in cell.metadata.get("tags", []):
+            cell.source = "pass  # 'fixed' by the learner"
+    (tmp_path / "exercises").mkdir()
+    path = tmp_path / "exercises" / name
+    nbformat.write(learner, path)
+
+    graded = exercises.grade(path, solutions_dir=ROOT / "solutions")
+    assert graded and all(check["error"] for check in graded), graded
+    assert all("fixed" not in check["source"] for check in graded)
+
+
+def test_a_deleted_check_cell_is_reported_missing():
+    exercise = nbformat.read(ROOT / "exercises" / "02_distributed_sampling.ipynb", as_version=4)
+    learner = nbformat.from_dict(exercise)
+    learner.cells = [cell for cell in learner.cells if exercises.CHECK_TAG not in cell.metadata.get("tags", [])]
+    missing = exercises.restore_checks(learner, exercise)
+    assert missing and all("checks." in source for source in missing)
+
+
+def test_grade_needs_the_solutions_to_take_the_checks_from(tmp_path):
+    path = tmp_path / "99_unknown.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), path)
+    with pytest.raises(FileNotFoundError, match="99_unknown.ipynb to take the check cells from"):
+        exercises.grade(path, solutions_dir=ROOT / "solutions")
