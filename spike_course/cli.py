@@ -105,27 +105,22 @@ def cmd_exercises(args) -> int:
 
 def cmd_run(args) -> int:
     import nbformat
-    from nbclient import NotebookClient
+
+    from .headless import run_notebook
 
     path = Path(args.notebook)
     if not path.is_file():
         print(f"no notebook at {path}", file=sys.stderr)
         return 2
-    notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=args.timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
     # Not beside the notebook: nbval and the notebook tests would collect the executed copy.
     out = Path(args.output) if args.output else Path("_build", "executed", path.parent.name, path.name)
     out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        client.execute()
-        status = 0
-    except Exception as error:  # the executed copy still shows where it stopped
-        print(f"{path}: {type(error).__name__}: {str(error)[-2000:]}", file=sys.stderr)
-        status = 1
-    nbformat.write(notebook, out)
-    print(f"wrote {out}")
-    return status
+    run = run_notebook(path, timeout=args.timeout)
+    if run.error:  # the executed copy still shows where it stopped
+        print(f"{path}: {run.error}", file=sys.stderr)
+    nbformat.write(run.notebook, out)
+    print(f"wrote {out} ({run.seconds:.0f} s)")
+    return 1 if run.error else 0
 
 
 def cmd_grade(args) -> int:

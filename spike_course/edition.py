@@ -12,10 +12,8 @@ chapter still fits the time budget.
 from __future__ import annotations
 
 import html
-import time
 from pathlib import Path
 
-import nbformat
 
 
 def title_of(notebook, fallback: str) -> str:
@@ -47,19 +45,12 @@ def save_chapter_figure(notebook, target: Path) -> Path | None:
 
 def render(path: Path, out_dir: Path, timeout: int = 600) -> dict:
     """Execute one notebook and write its HTML; return what the index needs to know."""
-    from nbclient import NotebookClient
     from nbconvert import HTMLExporter
 
-    notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
-    started = time.perf_counter()
-    error = None
-    try:
-        client.execute()
-    except Exception as failure:  # keep what ran: the page shows where it stopped
-        error = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:300]}"
-    seconds = time.perf_counter() - started
+    from .headless import run_notebook
+
+    run = run_notebook(path, timeout)  # a failure keeps what ran: the page shows where it stopped
+    notebook, error, seconds = run.notebook, run.error, run.seconds
     figure = save_chapter_figure(notebook, out_dir / "figures" / path.parent.name / f"{path.stem}.png")
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(notebook)
     target = out_dir / path.parent.name / f"{path.stem}.html"

@@ -125,12 +125,9 @@ def execute_cells(path, timeout: int = 600, notebook=None) -> list[dict]:
     ``notebook`` runs in place of the file's content, in the file's folder. CI runs the
     blank exercises through this; ``spike-course grade`` runs a learner's.
     """
-    from nbclient import NotebookClient
+    from .headless import run_notebook
 
-    path = Path(path)
-    notebook = notebook if notebook is not None else nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=timeout, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    notebook = run_notebook(path, timeout, allow_errors=True, notebook=notebook).notebook
     cells = []
     for index, cell in enumerate(notebook.cells):
         if cell.cell_type != "code":

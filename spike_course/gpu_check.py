@@ -9,10 +9,7 @@ proves nothing about GPUs; the table says which it was. Not part of ``make test`
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-
-import nbformat
 
 SOURCES = ("notebooks", "solutions")
 
@@ -31,27 +28,12 @@ def backend_in_use(nproc: int = 2) -> str:
 
 def execute(path, timeout: int = 600) -> dict:
     """Run one notebook in its own folder; return seconds, ok and the first failing cell."""
-    from nbclient import NotebookClient
+    from .headless import run_notebook
 
     path = Path(path)
-    notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
-    started = time.perf_counter()
-    try:
-        client.execute()
-    except Exception as error:  # a failing cell, a timeout or a dead kernel: report, go on
-        failure = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
-    else:
-        failure = None
-    seconds = time.perf_counter() - started
-    cell = next((i for i, c in enumerate(notebook.cells) if c.cell_type == "code"
-                 and any(o.output_type == "error" for o in c.get("outputs", []))), None)
-    if failure is not None and cell is not None:
-        error = next(o for o in notebook.cells[cell].outputs if o.output_type == "error")
-        failure = f"cell {cell}: {error.ename}: {error.evalue[:200]}"
-    return {"notebook": f"{path.parent.name}/{path.name}", "seconds": seconds,
-            "ok": failure is None, "failure": failure}
+    run = run_notebook(path, timeout)
+    return {"notebook": f"{path.parent.name}/{path.name}", "seconds": run.seconds,
+            "ok": run.error is None, "failure": run.error}
 
 
 def notebooks(root, only=()) -> list[Path]:

@@ -1,0 +1,43 @@
+"""Run a notebook headless, as "Run all" would: one place for the nbclient set-up that
+``spike-course run``, ``grade``, ``html`` and ``gpu-check`` share."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+
+@dataclass
+class Run:
+    notebook: nbformat.NotebookNode  # with its outputs, as far as it got
+    seconds: float
+    error: str | None                # "cell N: Name: message", or why the run stopped; None if it passed
+
+
+def run_notebook(path, timeout: int = 600, allow_errors: bool = False, notebook=None) -> Run:
+    """Execute the notebook at ``path`` in its own folder (``notebook``, when given, runs in
+    place of the file's content). A failing cell, a timeout or a dead kernel is reported in
+    ``Run.error``, not raised: callers show it and go on with the next notebook."""
+    from nbclient import NotebookClient
+
+    path = Path(path)
+    notebook = notebook if notebook is not None else nbformat.read(path, as_version=4)
+    client = NotebookClient(notebook, timeout=timeout, kernel_name="python3", allow_errors=allow_errors,
+                            resources={"metadata": {"path": str(path.parent)}})
+    started = time.perf_counter()
+    try:
+        client.execute()
+        stopped = None
+    except Exception as failure:
+        stopped = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:300]}"
+    seconds = time.perf_counter() - started
+    error = stopped
+    for index, cell in enumerate(notebook.cells):
+        errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
+        if cell.cell_type == "code" and errors and not allow_errors:
+            error = f"cell {index}: {errors[0].ename}: {errors[0].evalue[:300]}"
+            break
+    return Run(notebook, seconds, error)
