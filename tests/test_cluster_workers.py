@@ -20,23 +20,7 @@ from spike_course.protocol import COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULT
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_SIDE = ("spike_course.launcher", "spike_course.progress", "spike_course.widgets",
                  "psutil", "ipywidgets", "matplotlib")
-BLOCKER = f"""
-import importlib.abc
-import sys
-
-BLOCKED = {NOTEBOOK_SIDE!r}
-
-
-class NotOnTheCluster(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
-            raise ModuleNotFoundError(f"{{name}} is notebook-side: a worker must not import it",
-                                      name=name)
-        return None
-
-
-sys.meta_path.insert(0, NotOnTheCluster())
-"""
+BLOCKER = workers.import_blocker(NOTEBOOK_SIDE, "is notebook-side: a worker must not import it")
 
 # One worker per chapter, with arguments that keep it to seconds on 2 cores.
 WORKERS = {

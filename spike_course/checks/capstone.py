@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..workers import import_blocker
 from ._common import CheckFailed, passed
 
 # Small enough for a few seconds per launch on 2 CPU cores. TEST_SAMPLES is odd on purpose:
@@ -30,24 +31,12 @@ STEPS_PER_EPOCH = TRAIN_SAMPLES // (BATCH * WORLD)
 LR, GAMMA = 1.0, 0.7
 LAUNCH_TIMEOUT = 180  # seconds per torchrun; gloo would wait 30 minutes in a broken collective
 
-SITECUSTOMIZE = '''
-"""Loaded by every Python the capstone check starts: blocks spike_course, records calls."""
-import importlib.abc
+# Loaded by every Python the capstone check starts: blocks spike_course, records calls.
+SITECUSTOMIZE = import_blocker(
+    ["spike_course"], "is not installed on the cluster: the capstone script must not import "
+    "spike_course (copy what you need into the script)") + '''
 import json
 import os
-import sys
-
-
-class NotOnTheCluster(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "spike_course" or name.startswith("spike_course."):
-            raise ModuleNotFoundError(
-                "spike_course is not installed on the cluster: the capstone script must not "
-                "import it (copy what you need into the script)", name=name)
-        return None
-
-
-sys.meta_path.insert(0, NotOnTheCluster())
 
 if "RANK" in os.environ:  # a worker, not torchrun's agent
     import torch
