@@ -15,6 +15,7 @@ refuses to fall back.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import socket
@@ -24,6 +25,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch.utils.data import Dataset, Subset
+
+from .protocol import write_atomically
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 SYNTHETIC_SIZES = {True: 60_000, False: 10_000}  # the sizes of MNIST's train and test sets
@@ -113,9 +116,9 @@ class SyntheticDigits(Dataset):
             self.data, self.targets = self._render(size, seed, split)
             if cache and size >= CACHE_FROM:
                 os.makedirs(cache_dir, exist_ok=True)
-                tmp = f"{cache}.{os.getpid()}.tmp"
-                torch.save((self.data, self.targets), tmp)
-                os.replace(tmp, cache)  # ranks rendering at once never read half a file
+                buffer = io.BytesIO()
+                torch.save((self.data, self.targets), buffer)
+                write_atomically(cache, buffer.getvalue())  # ranks rendering at once never read half a file
         self._normalised = ((self.data.float() / 255 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)
 
     @staticmethod
