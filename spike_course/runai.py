@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 import shlex
 
+from .runtime import BACKENDS as PROCESS_GROUP_BACKENDS
+
 # What the training operator injects into each pod of a distributed PyTorch job, and what
 # reads it. torchrun's options all fall back to PET_<OPTION> (torch.distributed.argparse_util).
 OPERATOR_ENV = {
@@ -65,7 +67,6 @@ FLAGS = {
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _MEMORY = re.compile(r"^\d+(\.\d+)?([KMGT]i?)?$")
-BACKENDS = ("nccl", "gloo", None)
 
 
 def submit_command(name: str, image: str, project: str, command=None, gpus: float = 1,
@@ -97,7 +98,7 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
     for label, value in (("image", image), ("project", project)):
         if not value or not isinstance(value, str):
             raise ValueError(f"{label} must be a non-empty string, got {value!r}")
-    if backend not in BACKENDS:
+    if backend is not None and backend not in PROCESS_GROUP_BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use 'nccl', 'gloo' or None")
     if gpus is None or gpus < 0:
         raise ValueError(f"gpus must be >= 0, got {gpus!r}")
