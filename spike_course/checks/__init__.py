@@ -13,7 +13,7 @@ from __future__ import annotations
 # ruff: noqa: F401
 
 from ._common import CheckFailed, close, passed
-from .communication import check_bus_factor, check_allreduce_prediction
+from .communication import check_dgx_prediction
 from .data_parallel import check_data_parallel, check_distributed_accuracy
 from .federated import check_fedavg
 from .launching import check_checkpoint_functions, check_resumed_run
