@@ -20,6 +20,6 @@ from .launching import check_checkpoint_functions, check_resumed_run
 from .message_passing import check_ring_allreduce, check_exchange
 from .pipeline import pipeline_gradients
 from .sampling import check_sampler
-from .tensor_parallel import check_parallel_linear
+from .tensor_parallel import check_parallel_linear, check_tp_plan
 from .zero import zero1_matches_ddp
 from .capstone import check_capstone_job, check_capstone_submit
