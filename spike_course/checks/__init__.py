@@ -19,6 +19,7 @@ from .federated import check_fedavg
 from .launching import check_checkpoint_functions, check_resumed_run
 from .message_passing import check_ring_allreduce, check_exchange
 from .pipeline import pipeline_gradients
+from .pipeline_training import check_pipeline_training
 from .sampling import check_sampler
 from .tensor_parallel import check_parallel_linear, check_tp_plan
 from .zero import zero1_matches_ddp
