@@ -53,7 +53,8 @@ MISTAKES = {
     "one NVLink": ("dgx_busbw = 18 * 400e9 / 8", "dgx_busbw = 400e9 / 8", "one NVLink's bandwidth"),
     "bits for bytes": ("dgx_busbw = 18 * 400e9 / 8", "dgx_busbw = 18 * 400e9", "is in bits"),
     "both directions": ("dgx_busbw = 18 * 400e9 / 8", "dgx_busbw = 2 * 18 * 400e9 / 8", "other direction"),
-    "fp32 gradients on the DGX": ("predict_allreduce(8.0e9, torch.bfloat16,", "predict_allreduce(8.0e9, torch.float32,",
+    "fp32 gradients on the DGX": ("predict_allreduce(8.0e9, torch.bfloat16,",
+                                  "predict_allreduce(8.0e9, torch.float32,",
                                   "not 4 \\(fp32\\)"),
 }
 

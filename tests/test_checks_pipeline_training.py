@@ -33,7 +33,7 @@ def data_file(tmp_path_factory):
 def plant(changes):
     source = FUNCTIONS
     for old, new, count in changes:
-        assert source.count(old) == count, f"the solution no longer contains {old!r} {count} times: update this test"
+        assert source.count(old) == count, f"the solution no longer has {old!r} {count} times: update this test"
         source = source.replace(old, new)
     return source
 

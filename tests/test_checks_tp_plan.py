@@ -31,7 +31,7 @@ MISTAKES = {
     "logits_not_replicated": ([('ColwiseParallel(output_layouts=Replicate())', 'ColwiseParallel()')],
                               "only its vocabulary slice"),
     "embedding_left_whole": ([('"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),', '')],
-                             "not sharded, e.g. tok_embeddings.weight"),
+                             "weight is not sharded, e.g. tok_embeddings.weight"),
     "attention_input_not_shared": ([('"attention": one_input(),', '')],
                                    "attention all-reduces 3 input gradients in backward"),
 }

@@ -151,14 +151,15 @@ def _named_plan_mistake(plan: dict) -> str | None:
         style = _style_of(plan, target)
         return style and style["style"]
 
-    regions = {"feed_forward": (("w1", "w3"), "w2"), "attention": (("wq", "wk", "wv"), "wo")}
-    for region, (columns, row) in regions.items():
+    regions = {"feed_forward": (("w1", "w3"), "w2", "hidden units"),
+               "attention": (("wq", "wk", "wv"), "wo", "heads")}
+    for region, (columns, row, features) in regions.items():
         first = [kind(f"layers.0.{region}.{c}") for c in columns]
         last = kind(f"layers.0.{region}.{row}")
         names = ", ".join(columns)
         if last == "ColwiseParallel" and "ColwiseParallel" in first:
             return (f"{region}.{row} is ColwiseParallel like {names}. A column layer's output is its "
-                    f"slice of the features ({region}'s hidden units or heads): the layer after it must "
+                    f"slice of the features ({region}'s {features}): the layer after it must "
                     f"take that slice as input and sum the partial results, RowwiseParallel.")
         if last == "ColwiseParallel" and "RowwiseParallel" in first:
             return (f"{region}: {names} are RowwiseParallel and {row} ColwiseParallel, the wrong way "
@@ -226,7 +227,8 @@ def check_tp_plan(results: dict, plan: str = "tp_plan", rtol: float = 1e-9, atol
                   if n.endswith("weight") and ("norm" not in n) and ("pos_embeddings" not in n)]
     plain = [n for n in must_shard if "Shard" not in got["placements"].get(n, "")]
     if plain:
-        raise CheckFailed(f"{len(plain)} weights are not sharded, e.g. {plain[0]}: every rank holds all of it. "
+        raise CheckFailed(f"{len(plain)} weight{'s are' if len(plain) > 1 else ' is'} not sharded, e.g. "
+                          f"{plain[0]}: every rank holds all of it. "
                           "Tensor parallel splits every linear layer and the token embedding "
                           "(RowwiseParallel(input_layouts=Replicate()) splits the vocabulary).")
 
