@@ -64,3 +64,11 @@ def test_each_mistake_is_named(name):
     old, new, message = MISTAKES[name]
     with pytest.raises(CheckFailed, match=message):
         run(old, new)
+
+
+def test_the_blank_is_named():
+    def blank(*args):
+        raise NotImplementedError("exercise: replace this line with your code")
+
+    with pytest.raises(CheckFailed, match="still raises NotImplementedError"):
+        check_dgx_prediction(blank, blank, None, fit=FIT, world_size=WORLD)
