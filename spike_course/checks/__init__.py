@@ -13,13 +13,14 @@ from __future__ import annotations
 # ruff: noqa: F401
 
 from ._common import CheckFailed, close, passed
-from .communication import check_bus_factor, check_allreduce_prediction
+from .communication import check_dgx_prediction
 from .data_parallel import check_data_parallel, check_distributed_accuracy
 from .federated import check_fedavg
 from .launching import check_checkpoint_functions, check_resumed_run
 from .message_passing import check_ring_allreduce, check_exchange
 from .pipeline import pipeline_gradients
+from .pipeline_training import check_pipeline_training
 from .sampling import check_sampler
-from .tensor_parallel import check_parallel_linear
+from .tensor_parallel import check_parallel_linear, check_tp_plan
 from .zero import zero1_matches_ddp
 from .capstone import check_capstone_job, check_capstone_submit

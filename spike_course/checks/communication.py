@@ -1,93 +1,148 @@
-"""Exercise checks for chapter 08: communication and hardware."""
+"""Exercise checks for chapter 08: from a measured alpha-beta fit to a DGX B200 prediction."""
 
 from __future__ import annotations
 
 from ._common import CheckFailed, close, passed
 
+# The DGX B200 of the exercise: 8 GPUs, each with 18 NVLink 5 links of 400 Gbit/s per
+# direction through NVSwitch; NCCL's latency per ring step is an assumption (costmodel).
+DGX_GPUS, NVLINK5_LINKS, NVLINK5_LINK_GBIT = 8, 18, 400
+DGX_MODEL_PARAMS = 8.0e9  # a Llama-like 8B model, bf16 gradients
 
-_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+def _ring(alpha, beta, n):
+    """The reference: a fit t = alpha + beta S of a whole ring all-reduce on n ranks is
+    2(n-1) steps of latency a and 2(n-1)/n S bytes through each link at bus bandwidth B."""
+    steps = 2 * (n - 1)
+    return alpha / steps, steps / n / beta
 
 
-def check_bus_factor(bus_factor, world_sizes=(2, 3, 4, 8, 64)) -> None:
-    """Check ``bus_factor(op, world_size)`` (busbw / algbw) against the factors nccl-tests uses."""
-    from ..costmodel import BUS_FACTORS
+def _predict(num_params, itemsize, n, step_latency, busbw):
+    steps = 2 * (n - 1)
+    return steps * step_latency + steps / n * num_params * itemsize / busbw
 
-    for op in _COLLECTIVES:
-        for n in world_sizes:
-            got, want = bus_factor(op, n), BUS_FACTORS[op](n)
+
+def _pair(value, what):
+    try:
+        a, b = value
+        return float(a), float(b)
+    except (TypeError, ValueError):
+        raise CheckFailed(f"{what} returned {value!r}: return a pair (seconds per step, bus "
+                          "bandwidth in bytes/s)") from None
+
+
+def check_dgx_prediction(ring_from_fit, predict_allreduce, dgx_seconds, fit, world_size) -> None:
+    """Check the three answers of chapter 08's exercise.
+
+    ``ring_from_fit(alpha, beta, world_size)`` -> (seconds per ring step, bus bandwidth in
+    bytes/s) of an all-reduce fit ``t = alpha + beta * bytes`` measured on ``world_size`` ranks;
+    ``predict_allreduce(num_params, grad_dtype, world_size, step_latency, busbw)`` -> seconds
+    of one ring all-reduce of the gradients; ``dgx_seconds``: that prediction for the 8B
+    model in bf16 on one DGX B200 node. ``fit`` = (alpha, beta) the learner measured.
+    """
+    try:
+        _check(ring_from_fit, predict_allreduce, dgx_seconds, fit, world_size)
+    except NotImplementedError:
+        raise CheckFailed("a function still raises NotImplementedError: write ring_from_fit and "
+                          "predict_allreduce first.") from None
+
+
+def _check(ring_from_fit, predict_allreduce, dgx_seconds, fit, world_size) -> None:
+    import torch
+
+    alpha, beta = (float(v) for v in fit)
+    # --- 1. two made-up fits on more ranks, then the learner's own (on 2 ranks the bus
+    # factor 2(n-1)/n and the steps' N-1 are 1: the learner's fit cannot tell those apart) ---
+    for a, b, n in [(20e-6, 1 / 3e9, 4), (4e-6, 1 / 40e9, 8), (alpha, beta, world_size)]:
+        got_latency, got_busbw = _pair(ring_from_fit(a, b, n), f"ring_from_fit({a:.3g}, {b:.3g}, {n})")
+        want_latency, want_busbw = _ring(a, b, n)
+        where = f"ring_from_fit(alpha={a:.3g} s, beta={b:.3g} s/B, {n} ranks)"
+        if not close(got_latency, want_latency, rtol=1e-6, atol=0):
+            if close(got_latency, a, rtol=1e-6, atol=0):
+                raise CheckFailed(f"{where}: the latency per step is alpha itself. alpha is the fixed "
+                                  f"cost of the whole all-reduce, and a ring all-reduce makes 2(N-1) = "
+                                  f"{2 * (n - 1)} steps that each pay the latency: divide by 2(N-1).")
+            if close(got_latency, a / (n - 1), rtol=1e-6, atol=0):
+                raise CheckFailed(f"{where}: you divided alpha by N-1, the steps of one pass around the "
+                                  "ring; an all-reduce is a reduce-scatter and an all-gather: 2(N-1) steps.")
+            raise CheckFailed(f"{where}: latency per step {got_latency:.4g} s, expected {want_latency:.4g} s "
+                              "(alpha over the ring's 2(N-1) steps).")
+        if not close(got_busbw, want_busbw, rtol=1e-6, atol=0):
+            algbw = 1 / b
+            if close(got_busbw, algbw, rtol=1e-6, atol=0):
+                raise CheckFailed(f"{where}: 1/beta = {algbw / 1e9:.4g} GB/s is the algorithm bandwidth "
+                                  "(bytes of the buffer per second). Each link carries 2(N-1)/N of the "
+                                  f"buffer, so the bus bandwidth is 2(N-1)/N / beta = {want_busbw / 1e9:.4g} "
+                                  "GB/s. (On 2 ranks the factor is 1: your own fit could not show it.)")
+            if close(got_busbw, algbw * algbw / want_busbw, rtol=1e-6, atol=0):
+                raise CheckFailed(f"{where}: the factor is upside down: busbw = algbw x 2(N-1)/N "
+                                  "(each link carries more than the buffer once).")
+            raise CheckFailed(f"{where}: bus bandwidth {got_busbw / 1e9:.4g} GB/s, expected "
+                              f"{want_busbw / 1e9:.4g} GB/s (2(N-1)/N / beta).")
+
+    # --- 2. the prediction: latency alone (no bytes), then bandwidth alone (no latency) ---
+    for dtype in (torch.bfloat16, torch.float32):
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        for n in (2, 8):
+            got = predict_allreduce(0, dtype, n, 3e-6, 100e9)
             if got is None:
-                raise CheckFailed(f"bus_factor({op!r}, {n}) returned None: return the factor as a number")
-            if close(got, want):
+                raise CheckFailed("predict_allreduce(...) returned None: return the time in seconds")
+            got, want = float(got), _predict(0, itemsize, n, 3e-6, 100e9)
+            if not close(got, want, rtol=1e-6, atol=0):
+                if close(got, 3e-6, rtol=1e-6, atol=0):
+                    raise CheckFailed(f"predict_allreduce on {n} ranks: the latency counts once ({got:.3g} s); "
+                                      f"every one of the ring's 2(N-1) = {2 * (n - 1)} steps pays it: "
+                                      "2(N-1) x step_latency.")
+                raise CheckFailed(f"predict_allreduce(0 parameters, {n} ranks, 3e-6 s per step) = {got:.4g} s: "
+                                  f"with nothing to send only the latency is left, {want:.4g} s.")
+            got = float(predict_allreduce(1e9, dtype, n, 0.0, 100e9))
+            want = _predict(1e9, itemsize, n, 0.0, 100e9)
+            if close(got, want, rtol=1e-6, atol=0):
                 continue
-            where = f"bus_factor({op!r}, {n}) = {float(got):.4g}, expected {want:.4g}: "
-            if op == "all_reduce" and close(got, (n - 1) / n):
-                raise CheckFailed(where + "the factor 2 is missing. A ring all-reduce is a reduce-scatter "
-                                  "followed by an all-gather, and each sends (n-1)/n of the buffer: 2(n-1)/n.")
-            if op in ("all_gather", "reduce_scatter") and close(got, 2 * (n - 1) / n):
-                raise CheckFailed(where + f"that is all-reduce's factor. A {op} alone is one half of an "
-                                  "all-reduce: each rank sends (n-1)/n of the buffer.")
-            if op == "broadcast" and close(got, (n - 1) / n):
-                raise CheckFailed(where + "a broadcast passes the whole buffer along every link of the "
-                                  "chain (pipelined in chunks): every link carries all of it, factor 1.")
-            if close(got, 1.0):
-                raise CheckFailed(where + "busbw equals algbw only for broadcast (and reduce). For the "
-                                  "others count what each rank's link carries in a ring, as a share of "
-                                  "the buffer: (n-1)/n per pass over the ring.")
-            if want and close(got, 1 / want):
-                raise CheckFailed(where + "the factor is upside down: busbw = algbw * factor, and the "
-                                  "factor is the share of the buffer each link carries, e.g. 2(n-1)/n.")
-            if close(got, want * n):
-                raise CheckFailed(where + "n times too big: in a ring the buffer is cut into n chunks, so "
-                                  "each step sends 1/n of it; divide by n.")
-            raise CheckFailed(where + "count the bytes each rank sends in a ring as a share of the buffer "
-                              "(all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1).")
-    passed(f"bus bandwidth factors of {', '.join(_COLLECTIVES)} for n = {', '.join(map(str, world_sizes))}")
+            where = (f"predict_allreduce(1e9 parameters, {str(dtype).replace('torch.', '')}, {n} ranks, "
+                     f"no latency, 100 GB/s) = {got:.4g} s, expected {want:.4g} s: ")
+            if n > 2 and close(got, want * n / (2 * (n - 1)), rtol=1e-6, atol=0):
+                raise CheckFailed(where + "that is the buffer sent once (algorithm bandwidth). At bus "
+                                  "bandwidth every link carries 2(N-1)/N of the buffer: multiply by it.")
+            if close(got, want / itemsize, rtol=1e-6, atol=0):
+                raise CheckFailed(where + "you counted parameters, not bytes: multiply by the bytes of "
+                                  "one gradient element (grad_dtype's element size).")
+            if close(got, want * 4 / itemsize, rtol=1e-6, atol=0):
+                raise CheckFailed(where + "you used 4 bytes per gradient whatever grad_dtype is; bf16 "
+                                  "gradients are 2 bytes each (torch.tensor([], dtype=...).element_size()).")
+            if close(got, want * 8, rtol=1e-6, atol=0):
+                raise CheckFailed(where + "8 times too long: bits where bytes were meant. busbw is in bytes/s.")
+            raise CheckFailed(where + "2(N-1)/N x num_params x bytes per element / busbw.")
 
+    # --- 3. the DGX B200 node, from its datasheet ---
+    from ..costmodel import NCCL_ALPHA
 
-def check_allreduce_prediction(predict) -> None:
-    """Check ``predict(num_params, world_size, bidir_bandwidth, bytes_per_param, alpha)``:
-    seconds of a ring all-reduce of the gradients (``costmodel.allreduce_time``, ring,
-    with beta = 1 / (bidir_bandwidth / 2))."""
-    from ..costmodel import NVLINK5_BIDIR, PCIE5_X16_BIDIR, allreduce_time
-
-    # (params, ranks, bidirectional bytes/s, bytes per parameter, alpha)
-    cases = [(7e9, 8, NVLINK5_BIDIR, 2, 0.0), (1e9, 4, PCIE5_X16_BIDIR, 4, 0.0),
-             (70e9, 2, PCIE5_X16_BIDIR, 2, 0.0), (1e6, 8, NVLINK5_BIDIR, 2, 5e-6)]
-    ratios = []
-    for p, n, bidir, b, alpha in cases:
-        want = allreduce_time(p * b, n, "ring", alpha, 2 / bidir)
-        got = predict(p, n, bidir, b, alpha)
-        if got is None:
-            raise CheckFailed("predict(...) returned None: return the time in seconds")
-        ratios.append((float(got) / want, p, n, b, alpha, want, float(got)))
-    if all(close(r, 1.0, rtol=1e-4) for r, *_ in ratios):
-        passed("ring all-reduce times of gradients on NVLink 5 and PCIe Gen 5")
+    if dgx_seconds is None:
+        raise CheckFailed("dgx_seconds is None: compute the prediction for the DGX B200 node")
+    busbw = NVLINK5_LINKS * NVLINK5_LINK_GBIT * 1e9 / 8
+    want = _predict(DGX_MODEL_PARAMS, 2, DGX_GPUS, NCCL_ALPHA, busbw)
+    latency = 2 * (DGX_GPUS - 1) * NCCL_ALPHA
+    ratio = (float(dgx_seconds) - latency) / (want - latency)  # of the bandwidth terms
+    where = f"dgx_seconds = {float(dgx_seconds) * 1e3:.4g} ms, expected {want * 1e3:.4g} ms: "
+    if close(ratio, 1.0, rtol=1e-4, atol=0):
+        passed(f"ring parameters from your fit ({_ring(alpha, beta, world_size)[0] * 1e6:.1f} us per step, "
+               f"{_ring(alpha, beta, world_size)[1] / 1e9:.2f} GB/s bus bandwidth) and the all-reduce of "
+               f"an 8B model's bf16 gradients on a DGX B200 node: {want * 1e3:.1f} ms")
         return
-    no_latency = [x for x in ratios if x[4] == 0]
-
-    def all_near(values):
-        return all(close(got, expect, rtol=1e-3) for got, expect in values)
-
-    if all_near([(r, 1 / b) for r, _, _, b, *_ in no_latency]):
-        raise CheckFailed("the time is too small by the bytes per parameter: you counted parameters, "
-                          "not bytes. The message is num_params * bytes_per_param bytes (2 for bf16).")
-    if all_near([(r, 0.5) for r, *_ in no_latency]):
-        raise CheckFailed("the time is half what it should be. Either you used the bidirectional figure "
-                          "as the speed of one direction (a ring sends and receives at once: each "
-                          "direction carries bidir / 2), or you left out the 2 in 2(N-1)/N (a ring "
-                          "all-reduce is a reduce-scatter plus an all-gather).")
-    if all_near([(r, n / (2 * (n - 1))) for r, _, n, *_ in no_latency]):
-        raise CheckFailed("the time is that of sending the whole buffer once (algbw): a ring all-reduce "
-                          "pushes 2(N-1)/N of it through each rank's link.")
-    if all_near([(r, n / (n - 1)) for r, _, n, *_ in no_latency]):
-        raise CheckFailed("you used 2 instead of 2(N-1)/N: each of the 2(N-1) steps sends only 1/N of the "
-                          "buffer.")
-    if all_near([(r, 1e3) for r, *_ in ratios]) or all_near([(r, 1e6) for r, *_ in ratios]):
-        raise CheckFailed("the time is in milliseconds or microseconds: return seconds.")
-    if all(close(r, 1.0, rtol=1e-4) for r, *_ in no_latency):
-        _, p, n, b, alpha, want, got = ratios[-1]
-        raise CheckFailed(f"right without latency, wrong with alpha = {alpha:g} s ({got:.4g} s instead of "
-                          f"{want:.4g} s): every one of the ring's 2(N-1) steps pays alpha once.")
-    _, p, n, b, alpha, want, got = next(x for x in ratios if not close(x[0], 1.0, rtol=1e-4))
-    raise CheckFailed(f"predict({p:g}, {n}, ..., {b}, {alpha:g}) = {got:.4g} s, expected {want:.4g} s: "
-                      "2(N-1) * (alpha + S / N / B) with S the bytes and B = bidir / 2.")
+    mistakes = [
+        (NVLINK5_LINKS, "18 times too long: that is one NVLink's bandwidth. A B200 has 18 links through "
+                        "NVSwitch and a ring uses all of them at once: busbw = 18 x one link."),
+        (1 / 8, "8 times too short: 400 Gbit/s is in bits. Divide by 8 for bytes: 50 GB/s per link "
+                "per direction."),
+        (8 * NVLINK5_LINKS, "144 = 8 x 18 times too long: one link, and in bits."),
+        (2.0, "twice too long: the gradients are bf16, 2 bytes each, not 4 (fp32)."),
+        (0.5, "half what it should be: 400 Gbit/s is one direction of a link already; a ring sends "
+              "and receives at once, so don't add the other direction."),
+        (DGX_GPUS / (2 * (DGX_GPUS - 1)), "that is the buffer sent once (algorithm bandwidth): each "
+                                          "link carries 2(N-1)/N of it."),
+    ]
+    for factor, message in mistakes:
+        if close(ratio, factor, rtol=1e-3, atol=0):
+            raise CheckFailed(where + message)
+    raise CheckFailed(where + "predict_allreduce(8.0e9, torch.bfloat16, 8, DGX_STEP_LATENCY, busbw) with "
+                      "busbw = 18 links x 400 Gbit/s / 8 bits per byte.")

@@ -127,3 +127,128 @@ def _tp_explain_output(name, kind, r, n, y, ref, same):
         raise CheckFailed(f"{name}: rank {r}'s output is wrong ({_tp_gap(y, y_ref)}). Each rank's product "
                           "is a partial sum over its input features: all-reduce (sum) it, then add the bias.")
     raise CheckFailed(f"{name}: rank {r}'s output is wrong ({_tp_gap(y, y_ref)}).")
+
+
+# --- exercise 2: a parallelize_module plan for the whole TinyTransformer ---------------
+
+# Megatron's count per transformer layer: one all-reduce after attention and one after the
+# MLP in forward, the same two (of the input gradients) in backward.
+_PER_LAYER = {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+
+
+def _style_of(plan: dict, target: str):
+    """The style the plan gives module ``target`` (e.g. layers.0.feed_forward.w2), or None;
+    plan keys may use wildcards (layers.*.attention.wq)."""
+    from fnmatch import fnmatchcase
+
+    found = [v for k, v in plan.items() if fnmatchcase(target, k)]
+    return found[-1] if found else None
+
+
+def _named_plan_mistake(plan: dict) -> str | None:
+    """A classic plan mistake, read from the styles the plan gave (None when none shows)."""
+    def kind(target):
+        style = _style_of(plan, target)
+        return style and style["style"]
+
+    regions = {"feed_forward": (("w1", "w3"), "w2", "hidden units"),
+               "attention": (("wq", "wk", "wv"), "wo", "heads")}
+    for region, (columns, row, features) in regions.items():
+        first = [kind(f"layers.0.{region}.{c}") for c in columns]
+        last = kind(f"layers.0.{region}.{row}")
+        names = ", ".join(columns)
+        if last == "ColwiseParallel" and "ColwiseParallel" in first:
+            return (f"{region}.{row} is ColwiseParallel like {names}. A column layer's output is its "
+                    f"slice of the features ({region}'s {features}): the layer after it must "
+                    f"take that slice as input and sum the partial results, RowwiseParallel.")
+        if last == "ColwiseParallel" and "RowwiseParallel" in first:
+            return (f"{region}: {names} are RowwiseParallel and {row} ColwiseParallel, the wrong way "
+                    "round. The first layers take the whole (replicated) input and split the output "
+                    f"features (ColwiseParallel); {row} takes those slices and all-reduces (RowwiseParallel).")
+    output = _style_of(plan, "output")
+    if output and "Replicate" not in output["output_layouts"]:
+        return ("output is ColwiseParallel without output_layouts=Replicate(): each rank gets only its "
+                "vocabulary slice of the logits, and the loss needs all of them.")
+    return None
+
+
+def check_tp_plan(results: dict, plan: str = "tp_plan", rtol: float = 1e-9, atol: float = 1e-12) -> None:
+    """Check a ``parallelize(model, mesh)`` plan for the TinyTransformer from what check_plan.py
+    reported (``launch(...).results``): outputs and gradients against the unsharded model,
+    every weight sharded, and Megatron's collectives per layer (CommDebugMode).
+
+    The worker runs in float64: the sharded model adds partial sums in another order than
+    the unsharded one, and in float64 that changes a result by a few units of 2**-53 times
+    the sizes summed, far below ``rtol``; each mistake named here changes it by 1e-3 or more.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from ..models import TinyTransformer
+
+    ranks = sorted(results)
+    if not ranks or any(plan not in results[r].get("plans", {}) for r in ranks):
+        raise CheckFailed(f"no result for {plan!r} from every rank: did check_plan.py run to the end?")
+    config, tokens = results[0]["config"], results[0]["tokens"]
+    torch.manual_seed(0)
+    reference = TinyTransformer(**config).double()
+    logits = reference(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    n = len(ranks)
+
+    for r in ranks:
+        got = results[r]["plans"][plan]
+        where = f"rank {r} of {n}: "
+        if not got["plan"] and not got["error"]:
+            raise CheckFailed("parallelize() never called parallelize_module: nothing is sharded.")
+        named = _named_plan_mistake(got["plan"])
+        if got["error"]:
+            if "NotImplementedError" in got["error"]:
+                raise CheckFailed("parallelize() still raises NotImplementedError: write the plan.")
+            raise CheckFailed(where + (named or "the sharded model failed") + f"\n(it raised {got['error']})")
+        y = got["logits"]
+        if y.shape != logits.shape:
+            message = named or (f"the logits have shape {tuple(y.shape)}, expected {tuple(logits.shape)}: "
+                                "every rank must see all of them (output_layouts=Replicate()).")
+            raise CheckFailed(where + message)
+        if not torch.allclose(y.double(), logits.detach(), rtol=rtol, atol=atol):
+            gap = (y.double() - logits.detach()).abs().max().item()
+            raise CheckFailed(where + (named or "the logits differ from the unsharded model's") +
+                              f" (largest difference {gap:.3g})")
+        for name, param in reference.named_parameters():
+            grad = got["grads"].get(name)
+            if grad is None or not torch.allclose(grad.double(), param.grad, rtol=rtol, atol=atol):
+                raise CheckFailed(where + f"the gradient of {name} differs from the unsharded model's" +
+                                  (f": {named}" if named else "."))
+
+    got = results[0]["plans"][plan]
+    must_shard = [n for n, p in reference.named_parameters()
+                  if n.endswith("weight") and ("norm" not in n) and ("pos_embeddings" not in n)]
+    plain = [n for n in must_shard if "Shard" not in got["placements"].get(n, "")]
+    if plain:
+        raise CheckFailed(f"{len(plain)} weight{'s are' if len(plain) > 1 else ' is'} not sharded, e.g. "
+                          f"{plain[0]}: every rank holds all of it. "
+                          "Tensor parallel splits every linear layer and the token embedding "
+                          "(RowwiseParallel(input_layouts=Replicate()) splits the vocabulary).")
+
+    for layer in range(config["n_layers"]):
+        fqn = f"TinyTransformer.layers.{layer}"
+        counts = got["comm"].get(fqn, {"forward": {}, "backward": {}})
+        if counts == _PER_LAYER:
+            continue
+        extra = []
+        for region, columns in (("attention", 3), ("feed_forward", 2)):
+            inner = got["comm"].get(f"{fqn}.{region}", {}).get("backward", {}).get("all_reduce", 0)
+            if inner == columns:
+                extra.append(f"{region} all-reduces {columns} input gradients in backward, one per "
+                             "column layer")
+        hint = ("; ".join(extra) + ". Give the module one shared replicated input: "
+                "PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate(), "
+                "use_local_output=False) on it, so its input gradient is all-reduced once."
+                if extra else " Megatron's layer needs one all-reduce after attention and one after the "
+                "MLP, in forward and in backward.")
+        raise CheckFailed(f"layers.{layer} does forward {counts['forward']} and backward {counts['backward']}, "
+                          f"expected {_PER_LAYER['forward']} and {_PER_LAYER['backward']}: " + hint)
+    passed(f"plan {plan!r} on {n} ranks: logits, loss and all {len(must_shard)} sharded weights' gradients "
+           "match the unsharded model, 2 all-reduces per layer forward and 2 backward")

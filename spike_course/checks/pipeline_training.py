@@ -1,0 +1,163 @@
+"""Exercise check for chapter 04, exercise 2: pipelined training epochs over DataLoaders
+with ScheduleGPipe, and evaluation with the schedule's forward-only ``eval()``.
+
+:func:`check_pipeline_training` replays, in one process, what a correct two-stage run
+computes from the batches the worker's ranks actually read, and compares the trained
+weights and the evaluation with it. The worker records which samples each rank read and
+whether its stage module was in training mode at every forward, so that a wrong answer
+can be named.
+"""
+
+from __future__ import annotations
+
+from ._common import CheckFailed, passed
+
+
+def _reference(data, order, config, threads):
+    """The two stages in one process, with the pipeline's arithmetic: per batch, each
+    micro-batch's forward through stage 0 then stage 1, the backward of its mean loss
+    (gradients accumulate in micro-batch order, as GPipe's do), the sum divided by the
+    number of micro-batches (the schedule's scale_grads), then SGD. One thread per rank
+    in the worker, the same here: the same kernels give the same floats."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..models import Net, split_net
+
+    train_x, train_y, test_x, test_y = data
+    batch, m = config["batch"], config["microbatches"]
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        stages = split_net(Net(dropout=False))
+        params = [p for s in stages for p in s.parameters()]
+        optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=0.9)
+        steps = len(train_y) // batch
+        history = []
+        for epoch in range(config["epochs"]):
+            for s in stages:
+                s.train()
+            for step in range(steps):
+                idx = order[(epoch * steps + step) * batch:(epoch * steps + step + 1) * batch]
+                x, y = train_x[idx], train_y[idx]
+                optimizer.zero_grad()
+                for xb, yb in zip(x.tensor_split(m), y.tensor_split(m)):
+                    out = stages[0](xb)
+                    act = out.detach().requires_grad_()
+                    F.nll_loss(stages[1](act), yb).backward()
+                    out.backward(act.grad)
+                for p in params:
+                    p.grad.div_(m)
+                optimizer.step()
+            for s in stages:
+                s.eval()
+            losses, sizes, correct = [], [], 0
+            with torch.no_grad():
+                for start in range(0, len(test_y), batch):
+                    x, y = test_x[start:start + batch], test_y[start:start + batch]
+                    outputs = [stages[1](stages[0](xb)) for xb in x.tensor_split(m)]  # per micro-batch
+                    losses.append([F.nll_loss(o, yb).item() for o, yb in zip(outputs, y.tensor_split(m))])
+                    sizes.append([len(c) for c in y.tensor_split(m)])
+                    correct += (torch.cat(outputs).argmax(dim=1) == y).sum().item()
+            history.append({"losses": losses, "sizes": sizes, "accuracy": correct / len(test_y)})
+        return [s.state_dict() for s in stages], history
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def check_pipeline_training(launched: dict, data_file, functions: str = "pipeline_functions") -> None:
+    """Check what pipeline_epochs.py reported (``launch(...).results``) for the module
+    ``functions`` against one process training the same stages on the same batches;
+    ``data_file`` is the data it trained on."""
+    import torch
+
+    ranks = sorted(launched)
+    if ranks != [0, 1] or any(functions not in launched[r].get("runs", {}) for r in ranks):
+        raise CheckFailed(f"expected a report on {functions!r} from ranks 0 and 1: did the script run to the end?")
+    results = {r: launched[r]["runs"][functions] for r in ranks}
+    first, last = results[0], results[1]
+    for r in ranks:
+        error = results[r]["error"]
+        if error is None:
+            continue
+        if "NotImplementedError" in error:
+            raise CheckFailed("some functions still raise NotImplementedError: fill them in.")
+        if "no_grad" in error:
+            raise CheckFailed("evaluate() called schedule.step() under torch.no_grad(): step() runs the "
+                              "backward too, and refuses. Use schedule.eval(...), with the same arguments: "
+                              "forwards only.")
+        raise CheckFailed(f"rank {r} failed: {error}")
+
+    for name in ("train_order", "test_order"):
+        a, b = first[name], last[name]
+        if a != b:
+            kind = "training" if name == "train_order" else "test"
+            if not set(a) & set(b):
+                raise CheckFailed(f"the two stages read disjoint {kind} samples (rank 0 {len(set(a))}, rank 1 "
+                                  f"{len(set(b))}, none in common): a DistributedSampler splits the data "
+                                  "between data-parallel replicas. The stages of ONE pipeline process the "
+                                  "same batch: give both ranks the whole dataset.")
+            at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) if len(a) == len(b) else None
+            raise CheckFailed(f"the two stages walked through the {kind} data in different orders"
+                              + (f" (first difference at sample {at}: rank 0 read {a[at]}, rank 1 {b[at]})"
+                                 if at is not None else "") +
+                              ": rank 1 scored rank 0's images with the labels of other samples. Shuffle "
+                              "both loaders with the same generator seed on every rank (not the rank, "
+                              "not the global RNG after rank-dependent code).")
+
+    for r in ranks:
+        for phase, training in results[r]["modes"]:
+            if phase.startswith("training") and not training:
+                raise CheckFailed(f"rank {r}'s stage module was in eval mode during {phase}: evaluate() "
+                                  "switched it with module.eval() and train_epoch() never switched it back. "
+                                  "Call module.train() at the start of every epoch (dropout and batch norm "
+                                  "behave differently in the two modes).")
+            if phase.startswith("evaluation") and training:
+                raise CheckFailed(f"rank {r}'s stage module was in training mode during {phase}: call "
+                                  "module.eval() (the module you gave the PipelineStage, its submod) before "
+                                  "evaluating, or dropout stays on.")
+
+    config = first["config"]
+    data = torch.load(data_file)
+    states, history = _reference(data, first["train_order"], config, launched[0]["threads"])
+    for r in ranks:
+        for key, want in states[r].items():
+            if not torch.equal(results[r]["state"][key], want):
+                gap = (results[r]["state"][key] - want).abs().max().item()
+                raise CheckFailed(f"after training, stage {r}'s {key} differs from one process trained on the "
+                                  f"same batches (largest difference {gap:.3g}). Per batch: "
+                                  "optimizer.zero_grad(), one schedule.step(...) (input on the first stage, "
+                                  "target on the last), optimizer.step().")
+
+    got = last["history"]
+    if len(got) != config["epochs"] or any(h is None for h in got):
+        raise CheckFailed(f"evaluate() returned {got!r} on the last stage after each epoch: return "
+                          "(mean loss per sample, accuracy).")
+    for epoch, ((loss, accuracy), want) in enumerate(zip(got, history), start=1):
+        count = sum(sum(s) for s in want["sizes"])
+        right = sum(l * s for ls, ss in zip(want["losses"], want["sizes"]) for l, s in zip(ls, ss)) / count
+        # the micro-batch losses are float32 (relative rounding 2**-24); summed in any order
+        # and any precision they stay within 1e-6 of the reference, and every mistake named
+        # below moves the mean by 1e-3 or more.
+        if abs(loss - right) > 1e-6 * abs(right):
+            where = f"after epoch {epoch}: test loss {loss:.6g}, expected {right:.6g}: "
+            one = sum(ls[0] * sum(ss) for ls, ss in zip(want["losses"], want["sizes"])) / count
+            unweighted = sum(sum(ls) for ls in want["losses"]) / count
+            if abs(loss - one) <= 1e-6 * abs(one):
+                raise CheckFailed(where + "that is the first micro-batch's loss of each batch counted for the "
+                                  "whole batch. eval() fills `losses` with one loss per micro-batch: use all "
+                                  "of them.")
+            if abs(loss - unweighted) <= 1e-6 * abs(unweighted):
+                raise CheckFailed(where + "you added the micro-batch losses, each a MEAN over its own samples, "
+                                  "and divided by the number of samples: weight each by its micro-batch's "
+                                  "size.")
+            raise CheckFailed(where + "weight each micro-batch's mean loss by its samples, sum over the test "
+                              "set, divide by the number of test samples.")
+        if abs(accuracy - want["accuracy"]) > 1e-12:
+            raise CheckFailed(f"after epoch {epoch}: accuracy {accuracy}, expected {want['accuracy']}: the "
+                              "last stage's eval() returns the whole batch's output; compare its argmax "
+                              "with the labels, over all the test set.")
+    passed(f"{config['epochs']} pipelined epochs: both stages read the same batches, the weights equal one "
+           f"process's exactly, and the evaluation (test loss {got[-1][0]:.4f}, accuracy {got[-1][1]:.3f}) "
+           "is right")
