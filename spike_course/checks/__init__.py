@@ -24,3 +24,4 @@ from .sampling import check_sampler
 from .tensor_parallel import check_parallel_linear, check_tp_plan
 from .zero import zero1_matches_ddp
 from .capstone import check_capstone_job, check_capstone_submit
+from .profiling import check_exposed_share, check_hang_diagnosis
