@@ -23,3 +23,4 @@ from .sampling import check_sampler
 from .tensor_parallel import check_parallel_linear
 from .zero import zero1_matches_ddp
 from .capstone import check_capstone_job, check_capstone_submit
+from .memory import check_fits_budget, check_peak_prediction
