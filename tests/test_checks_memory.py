@@ -2,8 +2,8 @@
 the planner, and the exercise checks, which pass on the solution and name each mistake
 planted in a copy of it.
 
-Exercise 1 runs the solution's worker on 2 ranks (a launch is a few seconds), once as it is
-and once per planted mistake; exercise 2 is a function, planted and checked in-process.
+Exercise 1 runs the solution's worker on 2 ranks: one launch runs the solution's build()
+and each planted copy of it in turn. Exercise 2 is a function, planted and checked in-process.
 """
 
 import copy
@@ -107,11 +107,18 @@ def test_planner_widget_draws_headless():
 # per mistake, a single worker runs the solution and every planted copy in turn (the rest of
 # the script, the unconstrained run included, is the solution's own text).
 PLANTED = {
+    "nothing sharded": ("    for block in model.layers:\n        fully_shard(block, mesh=mesh)     # states of each "
+                        "block: 1/N per rank ...\n    fully_shard(model, mesh=mesh)  ", "    pass  ", "nothing is sharded"),
     "blocks not sharded": ("        fully_shard(block, mesh=mesh)  ", "        pass  ", "one unit"),
     "root not sharded": ("    fully_shard(model, mesh=mesh)         #", "    pass  #", "the root is not"),
     "no checkpointing": ("    checkpoint_blocks(model)  ", "    pass  ", "as much as without any"),
     "uninitialised after to_empty": ("    set_model_state_dict(", "    (lambda *a, **k: None)(",
                                      "does not start from the weights"),
+    # checkpoint_blocks patches the forward of each entry of .layers: here, the whole model's
+    "whole model checkpointed": ("    checkpoint_blocks(model)  ",
+                                 '    checkpoint_blocks(type("Whole", (), {"layers": [model]}))  ',
+                                 "whole model is checkpointed"),
+    "cast to bf16": ("\n    return model", "\n    model.to(torch.bfloat16)\n    return model", "master weights"),
 }
 HEAD, _, REST = FIT.partition("\ndef build(")
 BUILD, _, MAIN = ("def build(" + REST).partition("\nunconstrained = ")
@@ -164,22 +171,6 @@ def altered(results, run="fit", **changes):
     for rank in results:
         results[rank][run].update(changes)
     return results
-
-
-def test_nothing_sharded_is_named(solution_results):
-    full = {"parameters": 4 * 25760, "gradients": 4 * 25760, "optimizer": 8 * 25760}
-    with pytest.raises(CheckFailed, match="nothing is sharded"):
-        check_fits_budget(altered(solution_results, held=full), BUDGET)
-
-
-def test_bf16_parameters_are_named(solution_results):
-    with pytest.raises(CheckFailed, match="master weights"):
-        check_fits_budget(altered(solution_results, dtypes=["torch.bfloat16"]), BUDGET)
-
-
-def test_whole_model_checkpointed_is_named(solution_results):
-    with pytest.raises(CheckFailed, match="whole model is checkpointed"):
-        check_fits_budget(altered(solution_results, saved=8000), BUDGET)
 
 
 def test_accumulated_micro_batches_are_named(solution_results):
