@@ -78,6 +78,8 @@ def test_plan_shards_states_and_divides_by_tensor_parallel():
     tp = costmodel.memory_plan("Llama 3 8B", 4096, 1, tp=2)
     assert tp["parameters"] == pytest.approx(one["parameters"] / 2)
     assert tp["activations"] == pytest.approx(one["activations"] / 2)
+    pp = costmodel.memory_plan("Llama 3 8B", 4096, 1, pp=2)  # 1F1B: stage 0 holds 2 micro-batches of half the layers
+    assert pp["parameters"] == pytest.approx(one["parameters"] / 2) and pp["activations"] == one["activations"]
     offloaded = costmodel.memory_plan("Llama 3 8B", 4096, 1, offload=True)
     assert offloaded["parameters"] == 0 and offloaded["host"] == pytest.approx(16 * one["parameters"] / 4)
     assert costmodel.memory_plan("Llama 3 8B", 4096, 1, gpu_memory=1e12)["fits"]
