@@ -186,3 +186,65 @@ def digit_explorer(dataset, per_page: int = 8):
     box = w.VBox([start, out])
     box.add_class("spike-course-explorer")
     return box
+
+
+# --- chapter 11: making a model fit (a memory planner) ---
+
+
+def memory_planner(model: str = "Llama 3 8B", seq: int = 8192, micro_batch: int = 2, dp: int = 8,
+                   tp: int = 1, pp: int = 1, shard: int = 8, gpu_share: float = 1.0,
+                   precision: str = "bf16", checkpoint: bool = False, offload: bool = False):
+    """Model, sequence length, micro-batch, mesh (dp, tp, pp, F), GPU (a B200 or a Run:ai
+    share of one) and the memory tools in; ``costmodel.memory_plan``'s bytes per rank by
+    kind, "fits" or not, and ``costmodel.fit_suggestions`` out."""
+    import html
+
+    import ipywidgets as w
+    import matplotlib.pyplot as plt
+    from IPython.display import HTML, display
+
+    from .costmodel import B200_BYTES, MODEL_SHAPES, fit_suggestions, memory_plan
+    from .viz import WITH_ACTIVATIONS, zero_memory_bars
+
+    powers = [2 ** i for i in range(8)]
+    controls = dict(
+        model=w.Dropdown(options=list(MODEL_SHAPES), value=model, description="model"),
+        seq=w.SelectionSlider(options=[2 ** i for i in range(4, 18)], value=seq, description="seq len"),
+        micro_batch=w.SelectionSlider(options=powers, value=micro_batch, description="micro-batch"),
+        dp=w.SelectionSlider(options=powers, value=dp, description="dp"),
+        tp=w.SelectionSlider(options=powers[:4], value=tp, description="tp"),
+        pp=w.SelectionSlider(options=powers[:4], value=pp, description="pp"),
+        shard=w.SelectionSlider(options=powers, value=shard, description="F (shard)"),
+        gpu_share=w.SelectionSlider(options=[0.125, 0.25, 0.5, 1.0], value=gpu_share,
+                                    description="B200 share"),
+        precision=w.ToggleButtons(options=[("fp32", "fp32"), ("bf16 autocast", "autocast"),
+                                           ("bf16 mixed (FSDP)", "bf16")], value=precision),
+        checkpoint=w.Checkbox(value=checkpoint, description="activation checkpointing"),
+        offload=w.Checkbox(value=offload, description="CPU offload"),
+    )
+
+    def draw(model, seq, micro_batch, dp, tp, pp, shard, gpu_share, precision, checkpoint, offload):
+        settings = dict(dp=dp, tp=tp, pp=pp, shard=min(shard, dp), precision=precision,
+                        checkpoint=checkpoint, offload=offload, gpu_memory=gpu_share * B200_BYTES)
+        if dp % settings["shard"] or MODEL_SHAPES[model][0] % pp:
+            display(HTML("<b>F must divide dp, and pp the number of layers.</b>"))
+            return
+        plan = memory_plan(model, seq, micro_batch, **settings)
+        tips = fit_suggestions(model, seq, micro_batch, **settings)
+        verdict = "fits" if plan["fits"] else "does NOT fit"
+        text = (f"<b>{plan['total'] / 1e9:,.1f} GB per rank: {verdict}</b> in {plan['budget'] / 1e9:,.0f} GB "
+                f"(90% of {gpu_share:g} x 180 GB); {dp * tp * pp} GPUs"
+                + (f"; {plan['host'] / 1e9:,.1f} GB of model states in host memory" if offload else ""))
+        if tips:
+            text += "<br>to make it fit: " + " + ".join(html.escape(t) for t in tips)
+        display(HTML(text))
+        fig = zero_memory_bars({"per rank": plan}, capacity=plan["budget"], kinds=WITH_ACTIVATIONS,
+                               title=f"{model}, seq {seq}, micro-batch {micro_batch}")
+        plt.close(fig)  # shown once, by display, not again by the inline backend
+        display(fig)
+
+    out = w.interactive_output(draw, controls)
+    c = controls
+    return w.VBox([w.HBox([c["model"], c["gpu_share"]]), w.HBox([c["seq"], c["micro_batch"]]),
+                   w.HBox([c["dp"], c["shard"]]), w.HBox([c["tp"], c["pp"]]), c["precision"],
+                   w.HBox([c["checkpoint"], c["offload"]]), out])

@@ -25,3 +25,4 @@ from .tensor_parallel import check_parallel_linear, check_tp_plan
 from .zero import zero1_matches_ddp
 from .capstone import check_capstone_job, check_capstone_submit
 from .profiling import check_exposed_share, check_hang_diagnosis
+from .memory import check_fits_budget, check_peak_prediction

@@ -39,7 +39,19 @@ from .hardware import (
     plan_parallelism,
     recommend,
 )
-from .memory import ZERO_STAGES, zero_memory_breakdown, zero_memory
+from .memory import (
+    ZERO_STAGES,
+    zero_memory_breakdown,
+    zero_memory,
+    PRECISIONS,
+    MODEL_SHAPES,
+    B200_BYTES,
+    USABLE,
+    transformer_params,
+    activation_bytes,
+    memory_plan,
+    fit_suggestions,
+)
 from .pipeline import (
     PIPELINE_SCHEDULES,
     pipeline_bubble,

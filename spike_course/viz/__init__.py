@@ -19,6 +19,7 @@ from .federated import site_classes, federated_curves
 from .memory import (
     MEMORY_KINDS,
     MEMORY_COLORS,
+    WITH_ACTIVATIONS,
     zero_memory_bars,
     memory_measured_vs_model,
 )

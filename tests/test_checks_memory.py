@@ -1,0 +1,212 @@
+"""Chapter 11 (making a model fit): the activation formula against autograd's saved tensors,
+the planner, and the exercise checks, which pass on the solution and name each mistake
+planted in a copy of it.
+
+Exercise 1 runs the solution's worker on 2 ranks: one launch runs the solution's build()
+and each planted copy of it in turn. Exercise 2 is a function, planted and checked in-process.
+"""
+
+import copy
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spike_course import costmodel, launch, widgets, workers
+from spike_course.checks import CheckFailed, check_fits_budget, check_peak_prediction
+from spike_course.models import TinyTransformer
+
+ROOT = Path(__file__).resolve().parents[1]
+STEM = "11_making_a_model_fit"
+SOLUTION = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
+LECTURE = nbformat.read(ROOT / "notebooks" / f"{STEM}.ipynb", as_version=4)
+SCRIPTS = workers.worker_cells(SOLUTION)
+TOOLS = SCRIPTS[f"{STEM}/budget_tools.py"]
+FIT = SCRIPTS[f"{STEM}/fit_budget.py"]
+BUDGET = int(re.search(r"^BUDGET = ([\d_]+)", SOLUTION.cells[1].source, re.M).group(1))
+PEAK = next(c.source for c in SOLUTION.cells if c.source.startswith("def peak_bytes"))
+
+
+def test_the_exercise_measures_with_the_lectures_tools():
+    assert workers.worker_cells(LECTURE)[f"{STEM}/memory_tools.py"] == TOOLS
+    assert "from budget_tools import" in FIT
+
+
+# --- the cost model against what autograd saves ---
+
+
+@pytest.fixture(scope="module")
+def tools(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tools")
+    (folder / "budget_tools.py").write_text(TOOLS)
+    sys.path.insert(0, str(folder))
+    import budget_tools
+    yield budget_tools
+    sys.path.remove(str(folder))
+
+
+@pytest.mark.parametrize("precision", costmodel.PRECISIONS)
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("batch, seq, dim, hidden, layers, heads, vocab",
+                         [(1, 8, 32, 64, 1, 4, 64), (3, 5, 64, 96, 3, 8, 100)])
+def test_activation_formula_is_exact(tools, precision, checkpoint, batch, seq, dim, hidden, layers, heads, vocab):
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, hidden=hidden)
+    if precision == "bf16":  # what MixedPrecisionPolicy computes with
+        model = model.to(torch.bfloat16)
+    if checkpoint:
+        tools.checkpoint_blocks(model)
+    x, y = torch.randint(0, vocab, (2, batch, seq))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        _, saved = tools.saved_activation_bytes(lambda: F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+    assert saved == costmodel.activation_bytes(batch, seq, dim, hidden, layers, heads, vocab, precision, checkpoint)
+
+
+def test_parameter_count_is_the_models():
+    assert costmodel.transformer_params(2, 32, 64, 64, 32) == sum(p.numel() for p in TinyTransformer().parameters())
+
+
+def test_plan_shards_states_and_divides_by_tensor_parallel():
+    one = costmodel.memory_plan("Llama 3 8B", 4096, 1)
+    eight = costmodel.memory_plan("Llama 3 8B", 4096, 1, dp=8, shard=8)
+    assert eight["optimizer"] == pytest.approx(one["optimizer"] / 8)
+    assert eight["activations"] == one["activations"]
+    tp = costmodel.memory_plan("Llama 3 8B", 4096, 1, tp=2)
+    assert tp["parameters"] == pytest.approx(one["parameters"] / 2)
+    assert tp["activations"] == pytest.approx(one["activations"] / 2)
+    pp = costmodel.memory_plan("Llama 3 8B", 4096, 1, pp=2)  # 1F1B: stage 0 holds 2 micro-batches of half the layers
+    assert pp["parameters"] == pytest.approx(one["parameters"] / 2) and pp["activations"] == one["activations"]
+    offloaded = costmodel.memory_plan("Llama 3 8B", 4096, 1, offload=True)
+    assert offloaded["parameters"] == 0 and offloaded["host"] == pytest.approx(16 * one["parameters"] / 4)
+    assert costmodel.memory_plan("Llama 3 8B", 4096, 1, gpu_memory=1e12)["fits"]
+    with pytest.raises(ValueError):
+        costmodel.memory_plan("Llama 3 8B", 4096, 1, dp=8, shard=3)
+
+
+def test_suggestions_make_it_fit_and_are_empty_when_it_does():
+    job = dict(dp=8, shard=1, gpu_memory=0.5 * costmodel.B200_BYTES)
+    assert not costmodel.memory_plan("Llama 3 8B", 8192, 4, **job)["fits"]
+    tips = costmodel.fit_suggestions("Llama 3 8B", 8192, 4, **job)
+    assert tips and "checkpointing" in tips[0] and "still does not fit" not in tips[-1]
+    assert costmodel.fit_suggestions("Llama 3.2 1B", 2048, 1, dp=8, shard=8) == []
+    # offload moves the states to the host, but the activations of 64k tokens stay on the GPU
+    assert "still does not fit" in costmodel.fit_suggestions("Llama 3 70B", 65536, 1, gpu_memory=20e9)[-1]
+
+
+def test_planner_widget_draws_headless():
+    box = widgets.memory_planner()
+    box.children[0].children[0].value = "Llama 3 70B"  # redraws without error
+    assert len(box.children) == 7
+
+
+# --- exercise 1: fit a budget on 2 ranks ---
+
+# Each mistake is planted in a copy of the solution's build(); to pay for one launch, not one
+# per mistake, a single worker runs the solution and every planted copy in turn (the rest of
+# the script, the unconstrained run included, is the solution's own text).
+PLANTED = {
+    "nothing sharded": ("    for block in model.layers:\n        fully_shard(block, mesh=mesh)     # states of each "
+                        "block: 1/N per rank ...\n    fully_shard(model, mesh=mesh)  ", "    pass  ", "nothing is sharded"),
+    "blocks not sharded": ("        fully_shard(block, mesh=mesh)  ", "        pass  ", "one unit"),
+    "root not sharded": ("    fully_shard(model, mesh=mesh)         #", "    pass  #", "the root is not"),
+    "no checkpointing": ("    checkpoint_blocks(model)  ", "    pass  ", "as much as without any"),
+    "uninitialised after to_empty": ("    set_model_state_dict(", "    (lambda *a, **k: None)(",
+                                     "does not start from the weights"),
+    # checkpoint_blocks patches the forward of each entry of .layers: here, the whole model's
+    "whole model checkpointed": ("    checkpoint_blocks(model)  ",
+                                 '    checkpoint_blocks(type("Whole", (), {"layers": [model]}))  ',
+                                 "whole model is checkpointed"),
+    "cast to bf16": ("\n    return model", "\n    model.to(torch.bfloat16)\n    return model", "master weights"),
+}
+HEAD, _, REST = FIT.partition("\ndef build(")
+BUILD, _, MAIN = ("def build(" + REST).partition("\nunconstrained = ")
+BODY, _, TAIL = ("unconstrained = " + MAIN).partition("model = build(initial)\n")
+
+
+def variants_script():
+    builds = {"solution": BUILD}
+    for name, (old, new, _) in PLANTED.items():
+        assert old in BUILD, f"the solution no longer contains {old!r}: update this test"
+        builds[name] = BUILD.replace(old, new, 1)
+    defs = "".join(source.replace("def build(", f"def build_{i}(", 1) + "\n"
+                   for i, source in enumerate(builds.values()))
+    table = ", ".join(f"{name!r}: build_{i}" for i, name in enumerate(builds))
+    body, teardown = TAIL.rsplit("runtime.teardown()", 1)
+    loop = ("_report = runtime.report\n"
+            f"for _name, build in {{{table}}}.items():\n"
+            "    runtime.report = lambda **values: _report(**{_name: values})\n"
+            "    model = build(initial)\n" + "".join(f"    {line}\n" for line in body.strip().splitlines()))
+    return HEAD + "\n" + defs + "\n" + BODY + loop + "runtime.teardown()" + teardown
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fit_budget")
+    (folder / "budget_tools.py").write_text(TOOLS)
+    (folder / "fit_budget.py").write_text(variants_script())
+    results = launch(str(folder / "fit_budget.py"), nproc=2, echo=False, progress=False).results
+    return {name: {rank: results[rank][name] for rank in results} for name in ["solution", *PLANTED]}
+
+
+@pytest.fixture
+def solution_results(runs):
+    return runs["solution"]
+
+
+def test_solution_fits(solution_results, capsys):
+    check_fits_budget(solution_results, BUDGET)
+    assert "check passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_planted_mistake_is_named(runs, name):
+    with pytest.raises(CheckFailed, match=PLANTED[name][2]):
+        check_fits_budget(runs[name], BUDGET)
+
+
+def altered(results, run="fit", **changes):
+    results = copy.deepcopy(results)
+    for rank in results:
+        results[rank][run].update(changes)
+    return results
+
+
+def test_accumulated_micro_batches_are_named(solution_results):
+    # 8 micro-batches of 1 fit the budget without checkpointing; the sums come in another order
+    micro = costmodel.activation_bytes(1, 16, 32, 64, 2, 4, 64)
+    params = {k: v + 1e-7 for k, v in solution_results[0]["fit"]["params"].items()}
+    with pytest.raises(CheckFailed, match="smaller batch"):
+        check_fits_budget(altered(solution_results, saved=micro, params=params), BUDGET)
+
+
+# --- exercise 2: predict the peak ---
+
+
+def planted_peak(old="", new=""):
+    assert old in PEAK, f"the solution no longer contains {old!r}: update this test"
+    namespace = {"costmodel": costmodel}
+    exec(PEAK.replace(old, new, 1).split("\nprint(")[0], namespace)
+    return namespace["peak_bytes"]
+
+
+def test_peak_solution_passes(capsys):
+    check_peak_prediction(planted_peak())
+    assert "check passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("global_batch // (gpus * accumulation)", "global_batch // gpus", "AND by the accumulation"),
+    ("global_batch // (gpus * accumulation)", "global_batch", "not the whole global batch"),
+    ("zero_memory_breakdown(psi, shard, 3", "zero_memory_breakdown(psi, 1, 3", "each GPU holds 1/F"),
+    ("k=8,", "k=0,", "Adam's two moments"),
+    ("checkpoint=checkpoint)", "checkpoint=False)", "ignore checkpointing"),
+    ("precision=precision,", "", "counted in fp32"),
+    ("param_bytes=4, grad_bytes=4", "param_bytes=2, grad_bytes=2", "fp32 master weights"),
+])
+def test_peak_mistakes_are_named(old, new, message):
+    with pytest.raises(CheckFailed, match=message):
+        check_peak_prediction(planted_peak(old, new))
