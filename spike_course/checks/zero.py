@@ -6,12 +6,11 @@ from ._common import CheckFailed, close, passed
 
 
 def zero1_matches_ddp(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    """Check a hand-written ZeRO stage 1 against data parallelism (DDP's update) on the
-    same batches.
+    """Check a hand-written ZeRO stage 1 against DDP trained on the same batches.
 
     ``results[rank]`` (what ``launch(...).results`` gives) holds: "zero1", the flat
-    parameters of the rank's model after training; "ddp", the flat parameters of the
-    data-parallel reference; "owned", the (start, end) slice of the flat parameters the rank steps;
+    parameters of the rank's model after training; "ddp", the flat parameters of the DDP
+    reference; "owned", the (start, end) slice of the flat parameters the rank steps;
     "optimizer_numel", how many elements of momentum the rank's optimizer keeps; and
     optionally "initial", the flat parameters before training.
     """
@@ -65,11 +64,11 @@ def zero1_matches_ddp(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> 
         error = (zero1 - ddp).abs().max().item()
         if close(zero1[start:end], ddp[start:end], rtol, atol):
             raise CheckFailed(
-                f"rank {rank}: its own slice [{start:,}, {end:,}) matches data parallelism but the rest of "
+                f"rank {rank}: its own slice [{start:,}, {end:,}) matches DDP but the rest of "
                 f"its model does not (max error {error:.2e}): {not_gathered}")
         raise CheckFailed(
-            f"rank {rank}: the parameters differ from the data-parallel reference (max error {error:.2e}). Average the "
+            f"rank {rank}: the parameters differ from DDP (max error {error:.2e}). Average the "
             "gradients over ranks (all_reduce, then divide by the world size) before the step, "
             "and give the optimizer the gradient of its own slice.")
-    passed(f"ZeRO-1 by hand on {world} ranks matches data-parallel training; each rank keeps optimizer state for "
+    passed(f"ZeRO-1 by hand on {world} ranks matches DDP; each rank keeps optimizer state for "
            f"{max(int(results[r]['optimizer_numel']) for r in ranks):,} of {total:,} elements")
