@@ -121,6 +121,13 @@ def setup(backend: str | None = None, device: str | None = None, seed: int | Non
         torch.backends.cudnn.conv.fp32_precision = precision
 
     if not dist.is_initialized():
+        # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when
+        # it is first imported, and torch._dynamo (which every optimizer and DDP import)
+        # imports it. Imported after init_process_group, those defaults keep the group alive
+        # after destroy_process_group: gloo's threads then run on while Python shuts down,
+        # which aborted about 1 exit in 100 here ("terminate called without an active
+        # exception"). Imported first, the defaults are None: the default group at call time.
+        import torch.distributed.nn  # noqa: F401
         options = {"backend": backend}
         timeout = timeout if timeout is not None else os.environ.get(COLLECTIVE_TIMEOUT_ENV)
         if timeout is not None:  # else init_process_group's default for the backend

@@ -41,6 +41,9 @@ import os
 if "RANK" in os.environ:  # a worker, not torchrun's agent
     import torch
     import torch.distributed
+    # Before the script's init_process_group, as runtime.setup does (see there): imported
+    # later, it keeps the group alive past destroy_process_group and exits can abort.
+    import torch.distributed.nn
     from torch.utils.data import DataLoader, DistributedSampler
 
     LOG = os.path.join(os.environ["CAPSTONE_CHECK_LOG"], f"calls_{os.getpid()}.jsonl")
