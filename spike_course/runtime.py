@@ -211,7 +211,8 @@ def _wait_for_idle_gloo_threads(timeout: float = 1.0) -> None:
     if not os.path.isdir(tasks):
         return
     deadline, idle_polls = time.monotonic() + timeout, 0
-    while idle_polls < 2 and time.monotonic() < deadline:  # twice in a row, 1 ms apart
+    # A thread waiting for the GIL shows S as well, but gets it while this one sleeps.
+    while idle_polls < 3 and time.monotonic() < deadline:  # three times in a row, 2 ms apart
         states = []
         for tid in os.listdir(tasks):
             try:
@@ -221,7 +222,7 @@ def _wait_for_idle_gloo_threads(timeout: float = 1.0) -> None:
             except OSError:  # the thread ended meanwhile
                 continue
         idle_polls = idle_polls + 1 if all(state == "S" for state in states) else 0
-        time.sleep(0.001)
+        time.sleep(0.002)
 
 
 def _watch_parent() -> None:
