@@ -21,6 +21,10 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported when setup() runs, not when this module is
+    import torch
 
 from .protocol import (COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV, write_progress,
                        write_result)
@@ -36,7 +40,7 @@ class Context:
     rank: int
     world_size: int
     local_rank: int
-    device: "object"  # a torch.device
+    device: torch.device
     backend: str
 
     @property

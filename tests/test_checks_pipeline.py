@@ -39,7 +39,7 @@ def problem():
 
 def check(answer, problem, **kw):
     reference, last, _ = problem
-    checks.pipeline_gradients(answer, reference, M, stages=STAGE_OF, last_microbatch=last, **kw)
+    checks.check_pipeline_gradients(answer, reference, M, stages=STAGE_OF, last_microbatch=last, **kw)
 
 
 def fails_with(answer, problem, *words):

@@ -18,11 +18,11 @@ from .data_parallel import check_data_parallel, check_distributed_accuracy
 from .federated import check_fedavg
 from .launching import check_checkpoint_functions, check_resumed_run
 from .message_passing import check_ring_allreduce, check_exchange
-from .pipeline import pipeline_gradients
+from .pipeline import check_pipeline_gradients
 from .pipeline_training import check_pipeline_training
 from .sampling import check_sampler
 from .tensor_parallel import check_parallel_linear, check_tp_plan
-from .zero import zero1_matches_ddp
+from .zero import check_zero1
 from .capstone import check_capstone_job, check_capstone_submit
 from .profiling import check_exposed_share, check_hang_diagnosis
 from .memory import check_fits_budget, check_peak_prediction

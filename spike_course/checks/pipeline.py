@@ -15,7 +15,7 @@ def _scale_between(actual: dict, expected: dict) -> float:
     return num / den if den else float("nan")
 
 
-def pipeline_gradients(grads: dict, reference: dict, microbatches: int, stages: dict | None = None,
+def check_pipeline_gradients(grads: dict, reference: dict, microbatches: int, stages: dict | None = None,
                        last_microbatch: dict | None = None, rtol: float = 1e-4, atol: float = 1e-6) -> None:
     """Check the gradients of a hand-written GPipe step against the single-process model.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ._common import CheckFailed, close, passed
 
 
-def zero1_matches_ddp(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+def check_zero1(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     """Check a hand-written ZeRO stage 1 against DDP trained on the same batches.
 
     ``results[rank]`` (what ``launch(...).results`` gives) holds: "zero1", the flat
