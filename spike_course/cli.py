@@ -52,18 +52,14 @@ def doctor_lines() -> list[str]:
     import torch.distributed as dist
 
     from .data import data_source
+    from .notebook import describe_devices
 
     lines = [f"python            {platform.python_version()} ({sys.executable})",
-             f"torch             {torch.__version__}"]
-    if torch.cuda.is_available():
-        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-        lines.append(f"cuda              {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): {names}")
-    else:
-        lines.append("cuda              no GPU visible: the course runs on the CPU with gloo")
+             f"machine           {describe_devices()}",
+             f"cuda build        {torch.version.cuda or 'none (a CPU-only torch)'}"]
     lines.append(f"gloo              {'available' if dist.is_gloo_available() else 'MISSING'}")
     lines.append(f"nccl              {'available' if dist.is_nccl_available() else 'not available'}"
                  + ("" if torch.cuda.is_available() else " (needs CUDA GPUs anyway)"))
-    lines.append(f"cpu cores         {os.cpu_count()}")
     lines.append(f"data              {data_source()}")
     for module, what in (("jupyterlab", "jupyterlab"), ("ipywidgets", "ipywidgets"),
                          ("jupyterlab_widgets", "widgets extension")):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from .notebook import describe_devices
 
 
 def title_of(notebook, fallback: str) -> str:
@@ -75,22 +76,13 @@ def write_index(pages: list[dict], out_dir: Path) -> Path:
 <style>body{{font-family:sans-serif;max-width:52em;margin:2em auto;line-height:1.5}}
 td{{padding:.2em 1em .2em 0}} .bad{{color:#b00}}</style></head><body>
 <h1>Distributed PyTorch on (fractions of) GPUs</h1>
-<p>The rendered edition of the course: every notebook executed on {html.escape(_machine())},
+<p>The rendered edition of the course: every notebook executed on {html.escape(describe_devices())},
 with its outputs and figures. The times are what each notebook took to run here.</p>
 <table><tr><th>chapter</th><th>part</th><th>run time</th><th></th></tr>
 {chr(10).join(rows)}
 </table></body></html>
 """)
     return index
-
-
-def _machine() -> str:
-    import os
-
-    import torch
-
-    gpus = torch.cuda.device_count()
-    return f"{os.cpu_count()} CPU cores" + (f" and {gpus} GPU(s)" if gpus else " (no GPU)")
 
 
 def build(root: Path, out_dir: Path, with_solutions: bool = False, timeout: int = 600) -> list[dict]:

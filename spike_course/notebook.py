@@ -22,11 +22,16 @@ def setup(stem: str, seed: int = 0, quiet: bool = False) -> Path:
     workers.mkdir(parents=True, exist_ok=True)
     if not quiet:
         print(f"chapter {stem}: worker scripts go to {workers}/")
-        print(describe_devices(torch))
+        print(describe_devices())
     return workers
 
 
-def describe_devices(torch) -> str:
+def describe_devices() -> str:
+    """One line on what this machine offers the workers: torch, CPU cores, GPUs and the
+    backend they will use. The one description of the hardware: every chapter's first
+    cell, ``spike-course doctor`` and the rendered edition print it."""
+    import torch
+
     cpus = os.cpu_count() or 1
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -119,12 +119,10 @@ def allreduce_explorer(nbytes: float = 100e6, world_size: int = 8, link: str = "
 
     import matplotlib.pyplot as plt
 
-    from .costmodel import (ALLREDUCE_ALGORITHMS, NVLINK5_BIDIR, PCIE5_X16_BIDIR, allreduce_time,
-                            bus_bandwidth)
+    from .costmodel import ALLREDUCE_ALGORITHMS, allreduce_time, bus_bandwidth, link_bandwidth
     from .viz import allreduce_cost_curves
 
-    # A ring sends and receives at once: each direction gets half of the published figure.
-    links = {"NVLink 5": NVLINK5_BIDIR / 2, "PCIe 5 x16": PCIE5_X16_BIDIR / 2}
+    links = {"NVLink 5": link_bandwidth("nvlink5"), "PCIe 5 x16": link_bandwidth("pcie5")}
     size = w.FloatLogSlider(value=nbytes, base=10, min=2, max=10, step=0.1,
                             description="bytes", continuous_update=False)
     ranks = w.IntSlider(value=world_size, min=2, max=128, description="ranks",

@@ -80,7 +80,7 @@ def test_idle_fraction_of_measured_tuples():
 
 def test_gantt_chart_draws_one_box_per_event():
     events = costmodel.pipeline_schedule("1f1b", 2, 4)
-    fig = viz.pipeline_schedule(events, title="1F1B")
+    fig = viz.pipeline_gantt(events, title="1F1B")
     ax = fig.axes[0]
     assert len(ax.patches) == len(events)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
@@ -93,7 +93,7 @@ def test_gantt_chart_into_given_axes_with_scaled_time():
     fig, (left, right) = plt.subplots(1, 2)
     events = [{"rank": 0, "microbatch": 0, "phase": "F", "start": 10.0, "end": 10.5, "stage": 2},
               {"rank": 1, "microbatch": 0, "phase": "B", "start": 10.5, "end": 11.0}]
-    assert viz.pipeline_schedule(events, ax=right, unit="ms", scale=1e3) is fig
+    assert viz.pipeline_gantt(events, ax=right, unit="ms", scale=1e3) is fig
     bars = right.patches[:2]
     assert bars[0].get_x() == pytest.approx(0.0) and bars[0].get_width() == pytest.approx(500.0)
     assert bars[0].get_hatch() == "//" and bars[1].get_hatch() is None

@@ -48,7 +48,7 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
     stage, the same for all stages, or a list with one value per stage (rank).
 
     Returns event records ``{"rank", "microbatch", "phase" ("F"/"B"), "start", "end"}``,
-    the same format a worker measures, so :func:`spike_course.viz.pipeline_schedule`
+    the same format a worker measures, so :func:`spike_course.viz.pipeline_gantt`
     draws both. Forward of micro-batch i on rank r waits for its forward on rank r-1;
     backward waits for the backward on rank r+1 (the last rank: for its own forward).
     """
@@ -90,7 +90,9 @@ def pipeline_schedule(schedule: str, stages: int, microbatches: int,
     return sorted(events, key=lambda e: (e["rank"], e["start"]))
 
 
-def _as_event(event) -> dict:
+def as_event(event) -> dict:
+    """One pipeline event as a dict: dicts pass through, tuples are read in the order
+    (rank, microbatch, phase, start, end), the order workers print them in."""
     if isinstance(event, dict):
         return event
     rank, microbatch, phase, start, end = event[:5]
@@ -104,7 +106,7 @@ def pipeline_idle_fraction(events, per_rank: bool = False):
     time is that span minus its busy time. Returns the fraction over all ranks, or a
     dict rank -> fraction with ``per_rank=True``. Comparable with :func:`pipeline_bubble`.
     """
-    events = [_as_event(e) for e in events]
+    events = [as_event(e) for e in events]
     if not events:
         raise ValueError("no events")
     begin = min(e["start"] for e in events)
@@ -121,7 +123,7 @@ def pipeline_peak_activations(events) -> dict:
     the activations that rank holds at its worst moment (GPipe: m; 1F1B: at most p - rank)."""
     peaks: dict = {}
     by_rank: dict = {}
-    for e in map(_as_event, events):
+    for e in map(as_event, events):
         by_rank.setdefault(e["rank"], []).append(e)
     for r, evs in sorted(by_rank.items()):
         held = peak = 0

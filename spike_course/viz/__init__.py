@@ -24,5 +24,5 @@ from .memory import (
     memory_measured_vs_model,
 )
 from .message_passing import message_timeline, allreduce_cost_curves
-from .pipeline import PHASE_COLORS, pipeline_schedule
+from .pipeline import PHASE_COLORS, pipeline_gantt
 from .sampling import sampler_index_map, rank_curves

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-
+from ..costmodel.pipeline import as_event
 
 PHASE_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
 
 
-def pipeline_schedule(events, ax=None, title: str | None = None, unit: str = "s",
+def pipeline_gantt(events, ax=None, title: str | None = None, unit: str = "s",
                       scale: float = 1.0, label: bool = True):
     """Gantt chart of a pipeline step: one row per rank, one box per micro-batch's
     forward (blue) or backward (orange), numbered by micro-batch; white space is idle.
@@ -21,8 +21,7 @@ def pipeline_schedule(events, ax=None, title: str | None = None, unit: str = "s"
     Times are shifted so the step starts at 0 and multiplied by ``scale`` (e.g. 1e3 with
     ``unit="ms"``). Pass ``ax`` to draw into an existing subplot; returns the Figure.
     """
-    events = [e if isinstance(e, dict) else dict(zip(("rank", "microbatch", "phase", "start", "end"), e))
-              for e in events]
+    events = [as_event(e) for e in events]
     if ax is None:
         ranks = len({e["rank"] for e in events}) or 1
         fig, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * ranks))
