@@ -136,10 +136,10 @@ def cmd_grade(args) -> int:
 
 
 def cmd_html(args) -> int:
-    from .edition import build
+    from .edition import build_site
 
     root = course_root()
-    pages = build(root, Path(args.out).resolve(), with_solutions=args.with_solutions, timeout=args.timeout)
+    pages = build_site(root, Path(args.out).resolve(), with_solutions=args.with_solutions, timeout=args.timeout)
     return 1 if any(page["error"] for page in pages) else 0
 
 

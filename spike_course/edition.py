@@ -85,7 +85,7 @@ with its outputs and figures. The times are what each notebook took to run here.
     return index
 
 
-def build(root: Path, out_dir: Path, with_solutions: bool = False, timeout: int = 600) -> list[dict]:
+def build_site(root: Path, out_dir: Path, with_solutions: bool = False, timeout: int = 600) -> list[dict]:
     folders = ["notebooks"] + (["solutions"] if with_solutions else [])
     pages = []
     for folder in folders:

@@ -1,10 +1,11 @@
-"""Federated learning (chapter 09): sites whose data differ, and FedAvg's aggregation.
+"""Federated learning (chapter 09): sites whose data differ, and FedAvg's aggregate.
 
 ``label_skew_split`` deals a labelled data set out to sites the way real sites differ:
 each site sees mostly "its own" classes (a hospital's patients, a phone's photos).
-``fedavg_`` is the aggregation a site runs after its local steps: every parameter
-becomes the mean of the sites' parameters weighted by their numbers of samples, with
-two all-reduces. ``fedavg_reference`` computes the same in one process, to check it.
+``fedavg_reference`` computes, in one process, what the aggregation a site runs after
+its local steps must give: every parameter becomes the mean of the sites' parameters
+weighted by their numbers of samples. The aggregation itself, with collectives, is
+written in chapter 09 (lecture: one all-reduce per tensor; exercise: one for the model).
 """
 
 from __future__ import annotations
@@ -67,21 +68,3 @@ def fedavg_reference(states, counts) -> dict:
     total = float(sum(counts))
     return {name: sum(float(n) * torch.as_tensor(state[name]).double() for state, n in zip(states, counts)) / total
             for name in states[0]}
-
-
-def fedavg_(model: torch.nn.Module, num_samples: int) -> None:
-    """Replace ``model``'s parameters by the sample-weighted mean over all ranks, in place.
-
-    One all-reduce adds up the sample counts; each rank scales its flattened parameters
-    by its own share n_k / n, and a second all-reduce adds the scaled vectors, so every
-    rank ends with sum_k (n_k / n) w_k. One message for the whole model, not one per tensor.
-    """
-    import torch.distributed as dist
-    from torch.nn.utils import parameters_to_vector, vector_to_parameters
-
-    device = next(model.parameters()).device
-    total = torch.tensor([float(num_samples)], device=device, dtype=torch.float64)
-    dist.all_reduce(total)
-    flat = parameters_to_vector(model.parameters()).detach() * (num_samples / float(total))
-    dist.all_reduce(flat)
-    vector_to_parameters(flat, model.parameters())

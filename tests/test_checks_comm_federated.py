@@ -1,11 +1,16 @@
 """The exercise check of chapter 09 names the usual mistakes (chapter 08: test_checks_communication.py)."""
 
+from pathlib import Path
+
+import nbformat
 import pytest
 import torch
 
+import spike_course
 from spike_course import checks
 from spike_course.checks import CheckFailed
 
+ROOT = Path(__file__).resolve().parents[1]
 
 # --- chapter 09: FedAvg aggregation ---
 
@@ -41,3 +46,32 @@ def test_right_fedavg_passes(capsys):
 def test_wrong_fedavg_is_named(after, message):
     with pytest.raises(CheckFailed, match=message):
         checks.check_fedavg(BEFORE, SAMPLES, after)
+
+
+SOLUTION_WORKER = "workers/09_federated_learning/fedavg_exercise.py"
+PER_TENSOR = """\
+    device = next(model.parameters()).device
+    total = torch.tensor([float(num_samples)], device=device)
+    dist.all_reduce(total)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(num_samples / total.item())
+            dist.all_reduce(p)
+"""
+
+
+def test_one_allreduce_per_tensor_is_named(worker, no_orphans):
+    """The lecture's version, planted in a copy of the solution's worker: right values, nine
+    collectives (one for the counts, one per parameter tensor of the CNN)."""
+    notebook = nbformat.read(ROOT / "solutions" / "09_federated_learning.ipynb", as_version=4)
+    cell = next(c.source for c in notebook.cells if c.source.startswith(f"%%writefile {SOLUTION_WORKER}"))
+    solution = cell.split("\n", 1)[1]
+    begin, end = solution.index("    ### BEGIN SOLUTION\n"), solution.index("    ### END SOLUTION\n")
+    planted = solution[:begin] + PER_TENSOR + solution[end + len("    ### END SOLUTION\n"):]
+    result = spike_course.launch(worker(planted), nproc=2, echo=False, progress=False, timeout=120)
+    ranks = [result.results[r] for r in range(2)]
+    assert [r["collectives"] for r in ranks] == [9, 9]
+    with pytest.raises(CheckFailed, match="one all-reduce per tensor"):
+        checks.check_fedavg([r["before"] for r in ranks], [r["samples"] for r in ranks],
+                            [r["after"] for r in ranks], collectives=[r["collectives"] for r in ranks])
+    checks.check_fedavg(BEFORE, SAMPLES, [RIGHT, RIGHT], collectives=[2, 2])  # two pass

@@ -5,12 +5,15 @@ from __future__ import annotations
 from ._common import CheckFailed, all_close, passed
 
 
-def check_fedavg(before, samples, after, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+def check_fedavg(before, samples, after, collectives=None, rtol: float = 1e-5,
+                 atol: float = 1e-6) -> None:
     """Check a FedAvg aggregation done with collectives.
 
     before[r]: rank r's parameters (name -> tensor) just before aggregating; samples[r]: its
     number of training samples n_r; after[r]: what rank r holds after aggregating. Every rank
-    must hold sum_r n_r before[r] / sum_r n_r.
+    must hold sum_r n_r before[r] / sum_r n_r. collectives[r], if given, is how many
+    collectives rank r made (``CommDebugMode.get_total_counts()``): two are enough, one for
+    the sample counts and one for the whole model.
     """
     from ..federated import fedavg_reference
 
@@ -25,6 +28,11 @@ def check_fedavg(before, samples, after, rtol: float = 1e-5, atol: float = 1e-6)
     expected = fedavg_reference(before, samples)
     ok = [all_close(a, expected, 1.0, rtol, atol) for a in after]
     if all(ok):
+        if collectives is not None and max(collectives) > 2:
+            raise CheckFailed(f"the weighted mean is right, but with {max(collectives)} collectives on a rank "
+                              f"for {len(before[0])} parameter tensors: one all-reduce per tensor, as in the "
+                              "lecture. Flatten the scaled parameters into one vector (parameters_to_vector), "
+                              "all-reduce it once, and copy it back (vector_to_parameters): two in all.")
         passed(f"all {n} ranks hold the sample-weighted mean of the sites' parameters (n_k = {list(samples)})")
         return
 

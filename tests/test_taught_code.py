@@ -1,0 +1,57 @@
+"""Code a chapter teaches is defined in that chapter (d2l's rule): no module of
+spike_course defines the answer of an exercise, so a learner cannot import it and the
+lecture cannot hand it over by accident.
+
+An answer is a top-level function or class of a solution notebook whose body holds a
+``### BEGIN SOLUTION`` block. The checks keep what they compare with as references of
+their own (e.g. ``federated.fedavg_reference``), named for what they are.
+"""
+
+import ast
+import importlib
+import pkgutil
+from pathlib import Path
+
+import nbformat
+
+import spike_course
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def exercise_answers() -> dict[str, str]:
+    """{name: solution notebook} of every function or class a learner writes."""
+    answers = {}
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "code" or "### BEGIN SOLUTION" not in cell.source:
+                continue
+            source = "\n".join(line for line in cell.source.splitlines() if not line.startswith("%"))
+            for node in ast.parse(source).body:
+                if (isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                        and "### BEGIN SOLUTION" in ast.get_source_segment(source, node)):
+                    answers[node.name] = path.name
+    return answers
+
+
+def package_definitions() -> dict[str, str]:
+    """{name: module} of every function and class defined in a module of spike_course."""
+    defined = {}
+    for info in pkgutil.walk_packages(spike_course.__path__, "spike_course."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if getattr(value, "__module__", None) == module.__name__ and callable(value):
+                defined[name] = module.__name__
+    return defined
+
+
+def test_the_answers_are_found():
+    answers = exercise_answers()
+    assert {"my_ring_allreduce", "MySampler", "fedavg_", "exposed_share"} <= set(answers)
+
+
+def test_no_module_defines_an_exercise_answer():
+    defined = package_definitions()
+    clashes = {name: (notebook, defined[name]) for name, notebook in exercise_answers().items()
+               if name in defined}
+    assert not clashes, f"the package defines exercise answers (answer: (solution, module)): {clashes}"
