@@ -1,7 +1,9 @@
 """ipywidgets explorers built on ``costmodel`` and ``viz``.
 
-Each explorer is a function that builds the widget, draws its first figure right away
-(so a headless run under nbval still shows a real plot) and returns the widget box.
+Each explorer is a function that builds the controls and hands them, with a ``draw``
+function of their values, to ``ipywidgets.interactive_output``: it redraws on every
+change and draws once right away (so a headless run under nbval still shows a real plot).
+The explorer returns the controls and the output laid out in one box.
 """
 
 from __future__ import annotations
@@ -29,21 +31,15 @@ def zero_explorer(billions: float = 7.5, dp_size: int = 64, stage: int = 3, k: f
                               description="N_d", continuous_update=False)
     chosen = w.ToggleButtons(options=[("stage 0", 0), ("stage 1", 1), ("stage 2", 2),
                                       ("stage 3", 3)], value=stage, description="ZeRO")
-    out = w.Output()
 
-    def draw(*_):
-        psi = size.value * 1e9
-        bars = {f"stage {s}": zero_memory_breakdown(psi, ranks.value, s, k) for s in range(4)}
-        fig = zero_memory_bars(bars, highlight=f"stage {chosen.value}", capacity=capacity_gb * 1e9,
-                               title=f"{size.value:,.3g}B parameters, N_d = {ranks.value}, K = {k:g}")
+    def draw(billions, dp_size, stage):
+        bars = {f"stage {s}": zero_memory_breakdown(billions * 1e9, dp_size, s, k) for s in range(4)}
+        fig = zero_memory_bars(bars, highlight=f"stage {stage}", capacity=capacity_gb * 1e9,
+                               title=f"{billions:,.3g}B parameters, N_d = {dp_size}, K = {k:g}")
         plt.close(fig)  # shown once, inside the widget, not again by the inline backend
-        out.clear_output(wait=True)
-        with out:
-            display(fig)
+        display(fig)
 
-    for control in (size, ranks, chosen):
-        control.observe(draw, names="value")
-    draw()
+    out = w.interactive_output(draw, {"billions": size, "dp_size": ranks, "stage": chosen})
     return w.VBox([w.HBox([size, ranks]), chosen, out])
 
 
@@ -87,22 +83,18 @@ def parallelism_guide(billions: float = 7.0, tokens_per_gpu: int = 16384, gpu_me
                              description="GPUs", continuous_update=False)
     links = w.ToggleButtons(options=[("NVLink 5", "nvlink5"), ("PCIe Gen5", "pcie5")], value=link,
                             description="link")
-    out = w.Output()
 
-    def draw(*_):
-        rows = plan_parallelism(size.value * 1e9, tokens.value, gpus.value, memory.value * 1e9, links.value)
-        fig = strategy_bars(rows, memory.value * 1e9, ACTIVATION_HEADROOM * memory.value * 1e9,
-                            title=f"{size.value:,.3g}B parameters on {gpus.value} GPUs of "
-                                  f"{memory.value} GB over {links.label}")
+    def draw(billions, tokens_per_gpu, gpu_memory_gb, num_gpus, link):
+        rows = plan_parallelism(billions * 1e9, tokens_per_gpu, num_gpus, gpu_memory_gb * 1e9, link)
+        fig = strategy_bars(rows, gpu_memory_gb * 1e9, ACTIVATION_HEADROOM * gpu_memory_gb * 1e9,
+                            title=f"{billions:,.3g}B parameters on {num_gpus} GPUs of "
+                                  f"{gpu_memory_gb} GB over {links.label}")
         plt.close(fig)
-        out.clear_output(wait=True)
-        with out:
-            display(HTML(strategy_table(rows)))
-            display(fig)
+        display(HTML(strategy_table(rows)))
+        display(fig)
 
-    for control in (size, tokens, memory, gpus, links):
-        control.observe(draw, names="value")
-    draw()
+    out = w.interactive_output(draw, {"billions": size, "tokens_per_gpu": tokens, "gpu_memory_gb": memory,
+                                      "num_gpus": gpus, "link": links})
     return w.VBox([w.HBox([size, tokens]), w.HBox([memory, gpus]), links, out])
 
 
@@ -131,28 +123,22 @@ def allreduce_explorer(nbytes: float = 100e6, world_size: int = 8, link: str = "
     latency = w.FloatLogSlider(value=alpha_us, base=10, min=-1, max=2, step=0.1,
                                description="alpha (us)", continuous_update=False)
     summary = w.HTML()
-    out = w.Output()
 
-    def draw(*_):
-        alpha, beta = latency.value * 1e-6, 1 / links[chosen.value]
-        n, bytes_ = ranks.value, size.value
+    def draw(nbytes, world_size, link, alpha_us):
+        alpha, beta = alpha_us * 1e-6, 1 / links[link]
         cells = []
         for algorithm in ALLREDUCE_ALGORITHMS:
-            seconds = allreduce_time(bytes_, n, algorithm, alpha, beta)
-            busbw = bus_bandwidth(bytes_, seconds, n, "all_reduce")
+            seconds = allreduce_time(nbytes, world_size, algorithm, alpha, beta)
+            busbw = bus_bandwidth(nbytes, seconds, world_size, "all_reduce")
             cells.append(f"<b>{algorithm}</b> {seconds * 1e3:,.3f} ms (busbw {busbw / 1e9:,.1f} GB/s)")
         summary.value = " &nbsp;|&nbsp; ".join(cells)
-        fig = allreduce_cost_curves(bytes_, n, alpha, beta, title=f"all-reduce over {chosen.value}"
-                                    f" ({links[chosen.value] / 1e9:,.0f} GB/s each way), "
-                                    f"alpha = {latency.value:.3g} us")
+        fig = allreduce_cost_curves(nbytes, world_size, alpha, beta, title=f"all-reduce over {link}"
+                                    f" ({links[link] / 1e9:,.0f} GB/s each way), alpha = {alpha_us:.3g} us")
         plt.close(fig)  # shown once, inside the widget, not again by the inline backend
-        out.clear_output(wait=True)
-        with out:
-            display(fig)
+        display(fig)
 
-    for control in (size, ranks, chosen, latency):
-        control.observe(draw, names="value")
-    draw()
+    out = w.interactive_output(draw, {"nbytes": size, "world_size": ranks, "link": chosen,
+                                      "alpha_us": latency})
     return w.VBox([w.HBox([size, ranks]), w.HBox([chosen, latency]), summary, out])
 
 
@@ -166,21 +152,17 @@ def digit_explorer(dataset, per_page: int = 8):
 
     start = w.IntSlider(value=0, min=0, max=max(0, len(dataset) - per_page), step=per_page,
                         description="first sample", continuous_update=False)
-    out = w.Output()
 
-    def draw(_=None):
-        with out:
-            out.clear_output(wait=True)
-            fig, axes = plt.subplots(1, per_page, figsize=(per_page, 1.4))
-            for offset, ax in enumerate(axes):
-                image, label = dataset[start.value + offset]
-                ax.imshow(image[0], cmap="gray")
-                ax.set_title(f"#{start.value + offset}: {label}", fontsize=8)
-                ax.axis("off")
-            plt.show()
+    def draw(first):
+        fig, axes = plt.subplots(1, per_page, figsize=(per_page, 1.4))
+        for offset, ax in enumerate(axes):
+            image, label = dataset[first + offset]
+            ax.imshow(image[0], cmap="gray")
+            ax.set_title(f"#{first + offset}: {label}", fontsize=8)
+            ax.axis("off")
+        plt.show()
 
-    start.observe(draw, names="value")
-    draw()
+    out = w.interactive_output(draw, {"first": start})
     box = w.VBox([start, out])
     box.add_class("spike-course-explorer")
     return box
