@@ -28,3 +28,16 @@ def all_close(actual: dict, expected: dict, factor: float = 1.0, rtol: float = 1
 
     return all(close(actual[k], factor * torch.as_tensor(expected[k], dtype=torch.float64), rtol, atol)
                for k in expected)
+
+
+def largest_difference(a: dict, b: dict) -> tuple[float, str]:
+    """Largest absolute difference between two dicts of tensors (by name), and the name where it is."""
+    import torch
+
+    worst, where = 0.0, ""
+    for name, value in a.items():
+        value, other = (torch.as_tensor(t, dtype=torch.float64) for t in (value, b[name]))
+        diff = (value - other).abs().max().item()
+        if diff > worst:
+            worst, where = diff, name
+    return worst, where

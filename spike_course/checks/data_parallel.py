@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-from ._common import CheckFailed, all_close, passed
+from ._common import CheckFailed, all_close, largest_difference, passed
 
 
-def _dp_max_diff(a: dict, b: dict) -> tuple[float, str]:
-    """Largest absolute difference between two dicts of tensors, and the name where it is."""
-    import torch
-
-    worst, where = 0.0, ""
-    for name, value in a.items():
-        value, other = (torch.as_tensor(t, dtype=torch.float64) for t in (value, b[name]))
-        diff = (value - other).abs().max().item()
-        if diff > worst:
-            worst, where = diff, name
-    return worst, where
-
-
-def _dp_all_close(a: dict, b: dict, rtol: float, atol: float, factor: float = 1.0) -> bool:
+def _same_names_all_close(a: dict, b: dict, rtol: float, atol: float, factor: float = 1.0) -> bool:
     return a.keys() == b.keys() and all_close(a, b, factor, rtol, atol)
 
 
@@ -33,41 +20,41 @@ def check_data_parallel(ranks: dict, reference: dict, rtol: float = 1e-4, atol: 
     world_size = len(ranks)
     zero = ranks[min(ranks)]
     for rank, got in sorted(ranks.items()):
-        diff, name = _dp_max_diff(got["initial"], zero["initial"])
+        diff, name = largest_difference(got["initial"], zero["initial"])
         if diff > 0:
             raise CheckFailed(
                 f"the weights were not broadcast at the start: before the first step rank {rank}'s {name} "
                 f"differs from rank {min(ranks)}'s by {diff:.3g}. Each rank built its model from its own "
                 "random seed, so the replicas train different models. Broadcast every parameter from rank 0 "
                 "(dist.broadcast(p.data, src=0)) before training, as DistributedDataParallel does.")
-    if not _dp_all_close(zero["initial"], reference["initial"], rtol, atol):
-        diff, name = _dp_max_diff(zero["initial"], reference["initial"])
+    if not _same_names_all_close(zero["initial"], reference["initial"], rtol, atol):
+        diff, name = largest_difference(zero["initial"], reference["initial"])
         raise CheckFailed(f"all ranks start from the same weights, but not rank 0's ({name} differs by {diff:.3g}): "
                           "broadcast with src=0")
     for rank, got in sorted(ranks.items()):
-        diff, name = _dp_max_diff(got["grads"], zero["grads"])
-        if diff > atol + rtol * max(_dp_max_abs(zero["grads"]), 1e-12):
+        diff, name = largest_difference(got["grads"], zero["grads"])
+        if diff > atol + rtol * max(_largest_magnitude(zero["grads"]), 1e-12):
             raise CheckFailed(
                 f"the gradients were not all-reduced: after backward rank {rank}'s {name}.grad differs from "
                 f"rank {min(ranks)}'s by {diff:.3g}, so each replica steps with its own batch's gradient and "
                 "the replicas drift apart. all_reduce every p.grad before optimizer.step().")
     grads, expected = zero["grads"], reference["grads"]
-    if not _dp_all_close(grads, expected, rtol, atol):
-        if world_size > 1 and _dp_all_close(grads, expected, rtol, atol, factor=world_size):
+    if not _same_names_all_close(grads, expected, rtol, atol):
+        if world_size > 1 and _same_names_all_close(grads, expected, rtol, atol, factor=world_size):
             raise CheckFailed(
                 f"the gradients were summed but not averaged: they are {world_size} (the world size) times "
                 "the single-process gradient. all_reduce with ReduceOp.SUM adds the ranks' gradients; divide "
                 "by dist.get_world_size() afterwards to get the mean over the whole batch.")
-        if world_size > 1 and _dp_all_close(grads, expected, rtol, atol, factor=1 / world_size):
+        if world_size > 1 and _same_names_all_close(grads, expected, rtol, atol, factor=1 / world_size):
             raise CheckFailed(
                 f"the gradients are 1/{world_size} of the single-process gradient: divided by the world size "
                 "twice (ReduceOp.AVG already averages), or divided without all-reducing first.")
-        diff, name = _dp_max_diff(grads, expected)
+        diff, name = largest_difference(grads, expected)
         raise CheckFailed(f"the first step's gradients differ from the single-process gradients ({name} by "
                           f"{diff:.3g}): all-reduce (sum) every parameter's .grad, then divide by the world size")
     for rank, got in sorted(ranks.items()):
-        if not _dp_all_close(got["final"], reference["final"], rtol, 10 * atol):
-            diff, name = _dp_max_diff(got["final"], reference["final"])
+        if not _same_names_all_close(got["final"], reference["final"], rtol, 10 * atol):
+            diff, name = largest_difference(got["final"], reference["final"])
             raise CheckFailed(
                 f"the first step is right, but after training rank {rank}'s {name} differs from the "
                 f"single-process model by {diff:.3g}: average the gradients in EVERY step, after "
@@ -76,7 +63,7 @@ def check_data_parallel(ranks: dict, reference: dict, rtol: float = 1e-4, atol: 
            "(same start, averaged gradients, same final weights)")
 
 
-def _dp_max_abs(tensors: dict) -> float:
+def _largest_magnitude(tensors: dict) -> float:
     return max(float(v.abs().max()) for v in tensors.values())
 
 

@@ -3,17 +3,13 @@ a job's bytes per GPU with the cost model)."""
 
 from __future__ import annotations
 
-from ._common import CheckFailed, passed
+from ._common import CheckFailed, largest_difference, passed
 
 
 def _tensors_equal(a: dict, b: dict) -> bool:
     import torch
 
     return a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)
-
-
-def _largest_difference(a: dict, b: dict) -> float:
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def check_fits_budget(results: dict, budget: float) -> None:
@@ -94,13 +90,13 @@ def check_fits_budget(results: dict, budget: float) -> None:
             raise CheckFailed(
                 f"rank {rank}: the model build() returned does not start from the weights `initial` "
                 "(largest difference "
-                f"{_largest_difference(results[rank]['start'], results[rank]['initial']):.3g}). After "
+                f"{largest_difference(results[rank]['start'], results[rank]['initial'])[0]:.3g}). After "
                 "to_empty() the shards hold whatever was in that memory: load the weights with "
                 "set_model_state_dict(model, initial on rank 0, options=StateDictOptions("
                 "full_state_dict=True, broadcast_from_rank0=True)), or load_state_dict before sharding.")
 
         if not _tensors_equal(fit["params"], ddp["params"]):
-            error = _largest_difference(fit["params"], ddp["params"])
+            error = largest_difference(fit["params"], ddp["params"])[0]
             if saved in (activations(batch, checkpoint=True, precision="bf16"), activations(batch, precision="bf16")):
                 why = ("the forward ran in bf16 (MixedPrecisionPolicy or autocast), which rounds every "
                        "product to 8 bits of mantissa. Stay in fp32: sharding and checkpointing fit the "

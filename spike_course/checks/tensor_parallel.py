@@ -5,11 +5,10 @@ from __future__ import annotations
 from ._common import CheckFailed, passed
 
 
-_TP_KINDS = ("column", "row")
+_LAYER_KINDS = ("column", "row")
 
 
-def _tp_gap(actual, expected) -> str:
-
+def _gap(actual, expected) -> str:
     return f"largest difference {(actual.double() - expected.double()).abs().max().item():.3g}"
 
 
@@ -26,8 +25,8 @@ def check_parallel_linear(kind: str, results: dict, reference: dict,
     """
     import torch
 
-    if kind not in _TP_KINDS:
-        raise ValueError(f"kind must be one of {_TP_KINDS}, got {kind!r}")
+    if kind not in _LAYER_KINDS:
+        raise ValueError(f"kind must be one of {_LAYER_KINDS}, got {kind!r}")
     ranks = sorted(results)
     n = len(ranks)
     if ranks != list(range(n)) or any(kind not in results[r] for r in ranks):
@@ -45,7 +44,7 @@ def check_parallel_linear(kind: str, results: dict, reference: dict,
             raise CheckFailed(f"{name}: rank {r} reported no output.")
         y = y.double()
         if not same(y, ref["y"]):
-            _tp_explain_output(name, kind, r, n, y, ref, same)
+            _explain_output(name, kind, r, n, y, ref, same)
 
     for r in ranks:
         got = results[r][kind]
@@ -79,25 +78,25 @@ def check_parallel_linear(kind: str, results: dict, reference: dict,
             hint = (" It is exactly world_size times too big: the backward of the forward all-reduce "
                     "must pass the gradient through unchanged (identity), not all-reduce it again."
                     if n > 1 and same(gx, n * gx_expected) else "")
-            raise CheckFailed(f"{name}: rank {r}'s input gradient is wrong ({_tp_gap(gx, gx_expected)}).{hint}")
+            raise CheckFailed(f"{name}: rank {r}'s input gradient is wrong ({_gap(gx, gx_expected)}).{hint}")
 
         gw, gw_expected = got["grad_weight"].double(), ref["grad_weight"].chunk(n, dim=shard_dim)[r]
         if not same(gw, gw_expected):
             hint = (" It is exactly world_size times too big: a backward all-reduces a gradient that "
                     "every rank already holds in full." if n > 1 and same(gw, n * gw_expected) else "")
-            raise CheckFailed(f"{name}: rank {r}'s weight gradient is wrong ({_tp_gap(gw, gw_expected)}).{hint}")
+            raise CheckFailed(f"{name}: rank {r}'s weight gradient is wrong ({_gap(gw, gw_expected)}).{hint}")
         if ref.get("bias") is not None:
             gb = got["grad_bias"].double()
             gb_expected = ref["grad_bias"].chunk(n)[r] if kind == "column" else ref["grad_bias"]
             if not same(gb, gb_expected):
-                raise CheckFailed(f"{name}: rank {r}'s bias gradient is wrong ({_tp_gap(gb, gb_expected)}); "
+                raise CheckFailed(f"{name}: rank {r}'s bias gradient is wrong ({_gap(gb, gb_expected)}); "
                                   + ("each rank owns the bias of its output features: chunk the bias like "
                                      "the weight's rows." if kind == "column" else
                                      "every rank holds the whole bias, added once after the all-reduce."))
     passed(f"{name}: output and every gradient match nn.Linear")
 
 
-def _tp_explain_output(name, kind, r, n, y, ref, same):
+def _explain_output(name, kind, r, n, y, ref, same):
     """Raise CheckFailed naming the most likely reason why rank r's output is wrong."""
     import torch
 
@@ -124,9 +123,9 @@ def _tp_explain_output(name, kind, r, n, y, ref, same):
         raise CheckFailed(f"{name}: rank {r}'s output has shape {tuple(y.shape)}, expected {tuple(y_ref.shape)}"
                           + (": the shards were never gathered." if y.shape[-1] * n == y_ref.shape[-1] else "."))
     if kind == "row" and n > 1:
-        raise CheckFailed(f"{name}: rank {r}'s output is wrong ({_tp_gap(y, y_ref)}). Each rank's product "
+        raise CheckFailed(f"{name}: rank {r}'s output is wrong ({_gap(y, y_ref)}). Each rank's product "
                           "is a partial sum over its input features: all-reduce (sum) it, then add the bias.")
-    raise CheckFailed(f"{name}: rank {r}'s output is wrong ({_tp_gap(y, y_ref)}).")
+    raise CheckFailed(f"{name}: rank {r}'s output is wrong ({_gap(y, y_ref)}).")
 
 
 # --- exercise 2: a parallelize_module plan for the whole TinyTransformer ---------------

@@ -1,4 +1,4 @@
-"""The exercise check of chapter 09 names the usual mistakes (chapter 08: test_checks_communication.py)."""
+"""checks.check_fedavg (chapter 09) passes the right aggregate and names the usual mistakes."""
 
 from pathlib import Path
 
