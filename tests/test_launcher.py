@@ -1,4 +1,4 @@
-"""The launcher contract of design.md: results, failures, timeouts, no orphans."""
+"""The launcher's contract (README, "How a chapter runs distributed code"): results, failures, timeouts, no orphans."""
 
 import threading
 import time

@@ -1,4 +1,4 @@
-"""spike_course.runai: the command lines match the cluster guide's, and bad jobs are refused."""
+"""spike_course.runai: the command lines have the form Run:ai documents, and bad jobs are refused."""
 
 import shlex
 
