@@ -183,7 +183,7 @@ def memory_planner(model: str = "Llama 3 8B", seq: int = 8192, micro_batch: int 
     import matplotlib.pyplot as plt
     from IPython.display import HTML, display
 
-    from .costmodel import B200_BYTES, MODEL_SHAPES, fit_suggestions, memory_plan
+    from .costmodel import B200_MEMORY, MODEL_SHAPES, fit_suggestions, memory_plan
     from .viz import WITH_ACTIVATIONS, zero_memory_bars
 
     powers = [2 ** i for i in range(8)]
@@ -205,7 +205,7 @@ def memory_planner(model: str = "Llama 3 8B", seq: int = 8192, micro_batch: int 
 
     def draw(model, seq, micro_batch, dp, tp, pp, shard, gpu_share, precision, checkpoint, offload):
         settings = dict(dp=dp, tp=tp, pp=pp, shard=min(shard, dp), precision=precision,
-                        checkpoint=checkpoint, offload=offload, gpu_memory=gpu_share * B200_BYTES)
+                        checkpoint=checkpoint, offload=offload, gpu_memory=gpu_share * B200_MEMORY)
         if dp % settings["shard"] or MODEL_SHAPES[model][0] % pp:
             display(HTML("<b>F must divide dp, and pp the number of layers.</b>"))
             return

@@ -88,7 +88,7 @@ def test_plan_shards_states_and_divides_by_tensor_parallel():
 
 
 def test_suggestions_make_it_fit_and_are_empty_when_it_does():
-    job = dict(dp=8, shard=1, gpu_memory=0.5 * costmodel.B200_BYTES)
+    job = dict(dp=8, shard=1, gpu_memory=0.5 * costmodel.B200_MEMORY)
     assert not costmodel.memory_plan("Llama 3 8B", 8192, 4, **job)["fits"]
     tips = costmodel.fit_suggestions("Llama 3 8B", 8192, 4, **job)
     assert tips and "checkpointing" in tips[0] and "still does not fit" not in tips[-1]

@@ -1,9 +1,10 @@
 """Closed-form costs, so that measurements have something to be compared with.
 
 One module per topic: collectives (alpha-beta collective times, bus bandwidth as
-nccl-tests defines it, link speeds), pipeline (bubble fraction, ideal schedules),
-memory (ZeRO/FSDP bytes per device), hardware (fitting alpha and beta, step-time
-predictions, the parallelism decision guide). Pure python and numpy: no torch.
+nccl-tests defines it, link speeds, fitting alpha and beta), pipeline (bubble fraction,
+ideal schedules), memory (ZeRO/FSDP bytes per device, activations, the memory planner),
+planner (step-time predictions, the parallelism decision guide). Pure python and numpy:
+no torch.
 Everything is importable from ``spike_course.costmodel`` directly.
 """
 
@@ -15,22 +16,21 @@ from __future__ import annotations
 from .collectives import (
     NVLINK5_BIDIR,
     PCIE5_X16_BIDIR,
+    IB_NDR_PER_GPU,
+    NCCL_ALPHA,
     ALLREDUCE_ALGORITHMS,
     BUS_FACTORS,
     allreduce_time,
     algorithm_bandwidth,
     bus_bandwidth,
-)
-from .hardware import (
-    NCCL_ALPHA,
-    IB_NDR_PER_GPU,
-    B200_BF16_FLOPS,
-    B200_MEMORY,
-    DDP_BUCKET_BYTES,
-    ACTIVATION_HEADROOM,
     fit_alpha_beta,
     link_bandwidth,
     collective_time,
+)
+from .planner import (
+    B200_BF16_FLOPS,
+    DDP_BUCKET_BYTES,
+    ACTIVATION_HEADROOM,
     dp_comm_time,
     fsdp_comm_time,
     tp_comm_time,
@@ -45,7 +45,7 @@ from .memory import (
     zero_memory,
     PRECISIONS,
     MODEL_SHAPES,
-    B200_BYTES,
+    B200_MEMORY,
     USABLE,
     transformer_params,
     activation_bytes,

@@ -1,12 +1,14 @@
-"""Closed-form costs for chapter 01: message passing (alpha-beta all-reduce times, bus bandwidth)."""
+"""Closed-form communication costs: alpha-beta all-reduce times (chapter 01), bus bandwidth
+as nccl-tests defines it, link speeds, fitting alpha and beta to measurements and the
+time of one ring collective on a real link (chapter 08)."""
 
 from __future__ import annotations
-
-
 
 # Link speeds as published: both directions added. One direction carries half.
 NVLINK5_BIDIR = 1800e9     # bytes/s per GPU, NVLink 5 (Blackwell, e.g. B200 in a DGX)
 PCIE5_X16_BIDIR = 128e9    # bytes/s, a PCIe Gen 5 x16 slot
+IB_NDR_PER_GPU = 50e9      # bytes/s per direction: one 400 Gb/s InfiniBand NIC per GPU (DGX B200)
+NCCL_ALPHA = 1e-6          # seconds of latency per ring step inside a node (8 GPUs: ~15 us a call)
 
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "tree")
 
@@ -73,3 +75,64 @@ def bus_bandwidth(nbytes, seconds, world_size: int, op: str = "all_reduce"):
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
     return algorithm_bandwidth(nbytes, seconds) * BUS_FACTORS[op](world_size)
+
+
+def fit_alpha_beta(sizes, seconds, relative: bool = True) -> tuple[float, float]:
+    """Fit ``seconds = alpha + beta * size`` by least squares with alpha, beta >= 0.
+
+    ``sizes`` in bytes, ``seconds`` measured times; returns (alpha in seconds, beta in
+    seconds per byte), so 1/beta is the bandwidth the line implies. With ``relative``
+    (the default) each point's error counts relative to its own time: timings span
+    several orders of magnitude, and a plain fit would let the biggest messages decide
+    everything and leave alpha as noise (or negative). A negative fitted value is not
+    physical; the fit then returns the best line with that value pinned to 0.
+    """
+    import numpy as np
+
+    x = np.asarray(sizes, dtype=float).ravel()
+    y = np.asarray(seconds, dtype=float).ravel()
+    if x.shape != y.shape or x.size < 2:
+        raise ValueError(f"need as many sizes as times, at least 2; got {x.size} and {y.size}")
+    if np.any(x < 0) or np.any(y <= 0) or not np.all(np.isfinite(x + y)):
+        raise ValueError("sizes must be >= 0 and times > 0 and finite")
+    w = 1.0 / y if relative else np.ones_like(y)
+
+    def loss(a, b):
+        return float(np.sum((w * (a + b * x - y)) ** 2))
+
+    a, b = np.linalg.lstsq(np.stack([w, w * x], axis=1), w * y, rcond=None)[0]
+    if a >= 0 and b >= 0:
+        return float(a), float(b)
+    candidates = [(float(np.sum(w**2 * y) / np.sum(w**2)), 0.0)]  # beta = 0: a constant
+    if np.sum(w**2 * x**2) > 0:                                    # alpha = 0: through the origin
+        candidates.append((0.0, max(0.0, float(np.sum(w**2 * x * y) / np.sum(w**2 * x**2)))))
+    return min(candidates, key=lambda ab: loss(*ab))
+
+
+def link_bandwidth(link: str) -> float:
+    """Bytes per second in ONE direction per GPU of a named link.
+
+    The published figures are bidirectional (both directions added); a ring collective
+    sends and receives at once, so each direction carries half of it.
+    """
+    links = {"nvlink5": NVLINK5_BIDIR / 2, "pcie5": PCIE5_X16_BIDIR / 2, "ib_ndr": IB_NDR_PER_GPU}
+    if link not in links:
+        raise ValueError(f"unknown link {link!r}: choose one of {', '.join(links)}")
+    return links[link]
+
+
+def collective_time(op: str, nbytes: float, world_size: int, bandwidth: float,
+                    alpha: float = NCCL_ALPHA) -> float:
+    """Seconds of one ring collective: latency steps * alpha + bus bytes / bandwidth.
+
+    ``nbytes`` is the size nccl-tests reports (the whole buffer); the bytes each GPU has
+    to push through its link are ``nbytes`` times the bus-bandwidth factor of ``op``,
+    which is why bus bandwidth is the number to compare with a link's speed.
+    ``bandwidth`` is per direction (see :func:`link_bandwidth`).
+    """
+    n = world_size
+    if n == 1:
+        return 0.0
+    factor = bus_bandwidth(1.0, 1.0, n, op)  # busbw/algbw, the nccl-tests factor
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    return steps * alpha + nbytes * factor / bandwidth

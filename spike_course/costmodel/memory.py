@@ -4,7 +4,6 @@ of the tiny transformer, exactly as autograd saves them, and a planner (chapter 
 from __future__ import annotations
 
 
-
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -106,14 +105,14 @@ MODEL_SHAPES = {
     "Llama 3 8B": (32, 4096, 14336, 32, 128256, 0),
     "Llama 3 70B": (80, 8192, 28672, 64, 128256, 0),
 }
-B200_BYTES = 180e9   # HBM of one B200 in a DGX B200
+B200_MEMORY = 180e9  # bytes of HBM per GPU in a DGX B200 (1440 GB for 8)
 USABLE = 0.9         # of a GPU's memory for tensors: the CUDA context, the allocator's
                      # fragmentation and each op's temporaries need the rest
 
 
 def memory_plan(shape, seq: int, micro_batch: int, dp: int = 1, tp: int = 1, pp: int = 1,
                 shard: int = 1, precision: str = "fp32", checkpoint: bool = False,
-                offload: bool = False, gpu_memory: float = B200_BYTES) -> dict:
+                offload: bool = False, gpu_memory: float = B200_MEMORY) -> dict:
     """Bytes per rank, by kind, of one training step with Adam, and whether they fit.
 
     ``shape`` = (layers, dim, hidden, heads, vocab, max_seq_len) or a name of
@@ -149,7 +148,7 @@ def memory_plan(shape, seq: int, micro_batch: int, dp: int = 1, tp: int = 1, pp:
 
 def fit_suggestions(shape, seq: int, micro_batch: int, dp: int = 1, tp: int = 1, pp: int = 1,
                     shard: int = 1, precision: str = "fp32", checkpoint: bool = False,
-                    offload: bool = False, gpu_memory: float = B200_BYTES) -> list[str]:
+                    offload: bool = False, gpu_memory: float = B200_MEMORY) -> list[str]:
     """Settings that would make :func:`memory_plan` fit, each as a short phrase, in the
     order to try them: the ones that cost least first. Each adds to the ones before
     (checkpointing, then bf16, then sharding over all dp ranks, then smaller micro-batches
