@@ -120,7 +120,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_grade(args) -> int:
-    from .exercises import grade
+    from .grading import grade
 
     failed = 0
     for name in args.notebooks:

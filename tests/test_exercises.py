@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from spike_course import exercises
+from spike_course import exercises, grading
 
 ROOT = Path(__file__).resolve().parents[1]
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
@@ -79,7 +79,7 @@ def test_the_course_exercises_are_in_sync():
 def test_blank_exercise_runs_and_every_check_fails(path):
     """The scaffolding runs (cells not tagged raises-exception must pass, as under nbval),
     and every check cell fails on the blank: a check that passes on nothing is no check."""
-    cells = exercises.execute_cells(path)
+    cells = grading.execute_cells(path)
     checks = [cell for cell in cells if exercises.CHECK_TAG in cell["tags"]]
     assert checks, f"{path.name} has no cell tagged 'check'"
     for cell in checks:
@@ -102,7 +102,7 @@ def test_grade_runs_the_course_checks_not_the_learners(tmp_path):
     path = tmp_path / "exercises" / name
     nbformat.write(learner, path)
 
-    graded = exercises.grade(path, solutions_dir=ROOT / "solutions")
+    graded = grading.grade(path, solutions_dir=ROOT / "solutions")
     assert graded and all(check["error"] for check in graded), graded
     assert all("fixed" not in check["source"] for check in graded)
 
@@ -111,7 +111,7 @@ def test_a_deleted_check_cell_is_reported_missing():
     exercise = nbformat.read(ROOT / "exercises" / "02_distributed_sampling.ipynb", as_version=4)
     learner = nbformat.from_dict(exercise)
     learner.cells = [cell for cell in learner.cells if exercises.CHECK_TAG not in cell.metadata.get("tags", [])]
-    missing = exercises.restore_checks(learner, exercise)
+    missing = grading.restore_checks(learner, exercise)
     assert missing and all("checks." in source for source in missing)
 
 
@@ -119,4 +119,4 @@ def test_grade_needs_the_solutions_to_take_the_checks_from(tmp_path):
     path = tmp_path / "99_unknown.ipynb"
     nbformat.write(nbformat.v4.new_notebook(), path)
     with pytest.raises(FileNotFoundError, match="99_unknown.ipynb to take the check cells from"):
-        exercises.grade(path, solutions_dir=ROOT / "solutions")
+        grading.grade(path, solutions_dir=ROOT / "solutions")
