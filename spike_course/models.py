@@ -7,37 +7,37 @@ dropout, two fully connected layers and a log-softmax. Chapters that need anothe
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
-class Net(nn.Module):
+def Net(dropout: bool = True) -> nn.Sequential:
     """conv 32 -> conv 64 -> max-pool -> dropout -> fc 128 -> dropout -> fc 10 -> log-softmax.
 
+    A named ``nn.Sequential``: every step, the functional ones too, is a child module, so
+    ``net.conv1`` works as usual, a pipeline stage or a feature extractor is a slice
+    (``net[:layer_index(net, "fc2")]``: everything before the classifier) that shares the
+    parameters, and the parameters keep their names ("conv1.weight", ...). A function rather than a subclass, because
+    slicing a ``Sequential`` subclass would call the subclass's constructor.
     ``dropout=False`` turns both dropouts into no-ops; chapters that compare a parallel
     run with a single-process run use it, because dropout masks differ between the two.
     """
+    return nn.Sequential(OrderedDict(
+        conv1=nn.Conv2d(1, 32, 3, 1), relu1=nn.ReLU(),
+        conv2=nn.Conv2d(32, 64, 3, 1), relu2=nn.ReLU(),
+        pool=nn.MaxPool2d(2), dropout1=nn.Dropout(0.25 if dropout else 0.0), flatten=nn.Flatten(),
+        fc1=nn.Linear(9216, 128), relu3=nn.ReLU(),  # 9216 = 64 channels x 12 x 12 after the pool
+        dropout2=nn.Dropout(0.5 if dropout else 0.0),
+        fc2=nn.Linear(128, 10), log_softmax=nn.LogSoftmax(dim=1)))
 
-    def __init__(self, dropout: bool = True):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
-        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
-        self.fc1 = nn.Linear(9216, 128)  # 64 channels x 12 x 12 after the pool
-        self.fc2 = nn.Linear(128, 10)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = self.dropout1(x)
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        x = self.dropout2(x)
-        x = self.fc2(x)
-        return F.log_softmax(x, dim=1)
+def layer_index(net: nn.Sequential, name: str) -> int:
+    """Position of the child called ``name`` in a named ``nn.Sequential``: ``net[:i]`` ends
+    just before it."""
+    return list(dict(net.named_children())).index(name)
 
 
 # --- a tiny Llama-style transformer (tensor parallel and FSDP chapters) ---
@@ -130,24 +130,10 @@ class TinyTransformer(nn.Module):
 # --- chapter 04: pipeline parallel (Net split into stages) ---
 
 
-def split_net(net: Net) -> tuple[nn.Sequential, nn.Sequential]:
-    """Cut ``Net`` into two pipeline stages: the convolutions, then the classifier.
-
-    Each stage is an ``nn.Sequential`` that owns exactly its layers (the same module
-    objects, so the parameters are shared with ``net``) and whose forward is just
-    "apply the layers in order": stage 0 maps images (N,1,28,28) to features (N,9216),
-    stage 1 maps those to log-probabilities (N,10). The functional ops of
-    ``Net.forward`` (relu, max-pool, flatten, log-softmax) become modules, and the
-    children keep ``Net``'s names, so ``stage.named_parameters()`` gives "conv1.weight",
-    ... "fc2.bias", comparable by name with the single-process model and readable in a
-    checkpoint. ``stage1(stage0(x))`` equals ``net(x)``.
-    """
-    from collections import OrderedDict
-
-    stage0 = nn.Sequential(OrderedDict(
-        conv1=net.conv1, relu1=nn.ReLU(), conv2=net.conv2, relu2=nn.ReLU(),
-        pool=nn.MaxPool2d(2), dropout1=net.dropout1, flatten=nn.Flatten()))
-    stage1 = nn.Sequential(OrderedDict(
-        fc1=net.fc1, relu3=nn.ReLU(), dropout2=net.dropout2, fc2=net.fc2,
-        log_softmax=nn.LogSoftmax(dim=1)))
-    return stage0, stage1
+def split_net(net: nn.Sequential) -> tuple[nn.Sequential, nn.Sequential]:
+    """Cut ``Net`` into two pipeline stages, the convolutions and the classifier, just
+    before ``fc1``: stage 0 maps images (N,1,28,28) to features (N,9216), stage 1 maps
+    those to log-probabilities (N,10). Slices share ``net``'s modules and names, so
+    ``stage1(stage0(x))`` equals ``net(x)`` and the parameters compare by name."""
+    cut = layer_index(net, "fc1")
+    return net[:cut], net[cut:]
