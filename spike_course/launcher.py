@@ -64,7 +64,10 @@ class LaunchError(RuntimeError):
 
 @dataclass
 class LaunchResult:
-    """What a launch gave back. ``results[r]`` is what rank r reported."""
+    """What a launch gave back. ``results[r]`` is what rank r reported, ``output[r]`` the
+    lines it printed, ``returncodes[r]`` its exit code: every dict is keyed by rank. Under
+    ``launcher="torchrun"`` the agent's own lines (rendezvous, restarts, its failure
+    summary) are ``agent_output`` and its exit code ``agent_returncode``."""
 
     nproc: int
     returncodes: dict = field(default_factory=dict)
@@ -72,11 +75,14 @@ class LaunchResult:
     output: dict = field(default_factory=dict)
     seconds: float = 0.0
     timed_out: bool = False
+    agent_output: list = field(default_factory=list)
+    agent_returncode: int | None = None
 
     @property
     def ok(self) -> bool:
         return (not self.timed_out and len(self.returncodes) > 0
-                and all(code == 0 for code in self.returncodes.values()))
+                and all(code == 0 for code in self.returncodes.values())
+                and self.agent_returncode in (None, 0))
 
     def __repr__(self) -> str:
         state = "ok" if self.ok else "FAILED"
@@ -157,7 +163,8 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "spawn", timeout:
         if key != "torchrun":
             result.returncodes[key] = proc.returncode
     if launcher == "torchrun":
-        _torchrun_returncodes(result, processes["torchrun"].returncode)
+        result.agent_returncode = processes["torchrun"].returncode
+        _torchrun_returncodes(result)
     if check and not result.ok:
         raise _failure(result, timeout)
     return result
@@ -263,17 +270,18 @@ def _emit(key, line, result, launcher, echo):
     rank, text = key, line
     if launcher == "torchrun":
         match = _TORCHRUN_LINE.match(line)
-        if match:
-            local, global_rank, text = match.groups()
-            rank = int(global_rank if global_rank is not None else local)
-        else:
-            rank = "torchrun"
+        if not match:  # the agent's own line
+            result.agent_output.append(line)
+            if echo:
+                print(f"[torchrun] {line}", flush=True)
+            return
+        local, global_rank, text = match.groups()
+        rank = int(global_rank if global_rank is not None else local)
     else:
         text = _TORCH_RANK_PREFIX.sub("", line)
     result.output.setdefault(rank, []).append(text)
     if echo:
-        tag = f"[rank {rank}]" if isinstance(rank, int) else f"[{rank}]"
-        print(f"{tag} {text}", flush=True)
+        print(f"[rank {rank}] {text}", flush=True)
 
 
 def stop_process_tree(processes, grace: float = 3.0):
@@ -306,18 +314,15 @@ def stop_process_tree(processes, grace: float = 3.0):
             proc.stdout.close()
 
 
-def _torchrun_returncodes(result, torchrun_code):
+def _torchrun_returncodes(result):
     """torchrun exits non-zero if any worker failed; its summary names the first one."""
-    summary = "\n".join(result.output.get("torchrun", []))
+    summary = "\n".join(result.agent_output)
     # The summary lists every stopped rank; the one under "Root Cause" is the one that failed.
     failure = _TORCHRUN_FAILURE.search(summary.split("Root Cause")[-1])
     for rank in range(result.nproc):
-        result.returncodes[rank] = 0 if torchrun_code == 0 else None
-    if torchrun_code not in (0, None):
-        if failure:
-            result.returncodes[int(failure.group(1))] = int(failure.group(2))
-        else:
-            result.returncodes["torchrun"] = torchrun_code
+        result.returncodes[rank] = 0 if result.agent_returncode == 0 else None
+    if result.agent_returncode not in (0, None) and failure:
+        result.returncodes[int(failure.group(1))] = int(failure.group(2))
 
 
 def _failure(result, timeout):
@@ -330,8 +335,12 @@ def _failure(result, timeout):
     # The first rank that exited with an error (not one we stopped ourselves, code < 0).
     failed = [(r, c) for r, c in result.returncodes.items() if c not in (0, None)]
     errors = [(r, c) for r, c in failed if c > 0] or failed
-    rank, code = errors[0] if errors else ("?", None)
+    if not errors:  # torchrun failed, and its summary named no rank (e.g. the rendezvous failed)
+        tail = "\n".join(result.agent_output[-TAIL_LINES:]) or "(no output)"
+        return LaunchError(f"torchrun failed with exit code {result.agent_returncode} and named no "
+                           f"rank.\n--- last lines of torchrun ---\n{tail}",
+                           exit_code=result.agent_returncode, result=result)
+    rank, code = errors[0]
     tail = "\n".join(result.output.get(rank, [])[-TAIL_LINES:]) or "(no output)"
     return LaunchError(f"rank {rank} failed with exit code {code}; the other ranks were stopped.\n"
-                       f"--- last lines of rank {rank} ---\n{tail}",
-                       rank=rank if isinstance(rank, int) else None, exit_code=code, result=result)
+                       f"--- last lines of rank {rank} ---\n{tail}", rank=rank, exit_code=code, result=result)

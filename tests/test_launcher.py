@@ -43,6 +43,19 @@ def test_results_come_back_from_every_rank(worker, no_orphans, launcher):
     for rank in range(3):
         assert result.results[rank] == {"rank": rank, "world_size": 3, "total": 3.0, "device": "cpu"}
         assert result.output[rank] == [f"rank {rank} of 3: sum of ranks 3"]
+    assert sorted(result.output) == sorted(result.returncodes) == [0, 1, 2]  # keyed by rank only
+    if launcher == "torchrun":
+        assert result.agent_returncode == 0  # its own lines, if any, are in result.agent_output
+
+
+def test_a_torchrun_failure_that_names_no_rank_is_reported():
+    from spike_course.launcher import LaunchResult, _failure
+
+    result = LaunchResult(nproc=2, returncodes={0: None, 1: None}, agent_returncode=1,
+                          agent_output=["RendezvousTimeoutError: the rendezvous did not complete"])
+    assert not result.ok
+    error = _failure(result, timeout=60)
+    assert "torchrun failed with exit code 1" in str(error) and "RendezvousTimeoutError" in str(error)
 
 
 def test_output_is_tagged_with_the_rank(worker, capsys):
