@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from spike_course import checks
-from spike_course.mpi_sim import naive_allreduce, ring_allreduce
+from spike_course.mpi_collectives import naive_allreduce, ring_allreduce
 
 
 def _ring(comm, array, *, send_first=False, gather=True, chunk_of=None, whole=False):

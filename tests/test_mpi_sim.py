@@ -9,8 +9,8 @@ import torch
 
 from spike_course import viz
 from spike_course.costmodel import allreduce_time
-from spike_course.mpi_sim import (DeadlockError, Message, World, naive_allreduce, ring_allreduce,
-                                  tree_allreduce, waitall)
+from spike_course.mpi_collectives import naive_allreduce, ring_allreduce, tree_allreduce
+from spike_course.mpi_sim import DeadlockError, Message, World, waitall
 
 
 def test_run_returns_values_in_rank_order_and_passes_args():
