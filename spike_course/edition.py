@@ -24,11 +24,14 @@ CONF = {
     "html_title": "Distributed PyTorch on (fractions of) GPUs",
     "extensions": ["myst_nb"],
     "html_theme": "sphinx_book_theme",
+    "myst_enable_extensions": ["dollarmath"],  # $m$ in markdown cells, as JupyterLab shows it
     # index.md and the lectures; not the workers, data or figures the notebooks write.
     "include_patterns": ["index.md", "notebooks/[0-9][0-9]_*.ipynb"],
     "nb_execution_mode": "cache",
     "nb_execution_in_temp": False,  # run in the notebook's folder: workers/NN_topic/... is relative
     "nb_execution_show_tb": True,   # a failing cell's traceback goes into the build log
+    # %%writefile cells hold C or shell that the ipython3 highlighter cannot lex: harmless.
+    "suppress_warnings": ["misc.highlighting_failure"],
 }
 
 INDEX = """\
