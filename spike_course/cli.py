@@ -4,7 +4,7 @@
     spike-course doctor                               what this machine can do for the course
     spike-course exercises [--check]                  write exercises/ from solutions/ (or check)
     spike-course run NOTEBOOK [-o OUT]                execute a notebook headless, keep the copy
-    spike-course html [--out _build/html]             the rendered edition, with an index page
+    spike-course html [--out _build/html]             the rendered edition, a Sphinx site
     spike-course grade NOTEBOOK...                    run learners' exercise notebooks' checks
     spike-course workers [--out cluster_workers]      every chapter's worker scripts, for torchrun
     spike-course gpu-check [NAME...]                  run lectures and solutions here, tabulate
@@ -139,8 +139,9 @@ def cmd_html(args) -> int:
     from .edition import build_site
 
     root = course_root()
-    pages = build_site(root, Path(args.out).resolve(), with_solutions=args.with_solutions, timeout=args.timeout)
-    return 1 if any(page["error"] for page in pages) else 0
+    # The executed notebooks' cache stays with the course, wherever the site goes.
+    failed = build_site(root / "notebooks", Path(args.out).resolve(), root / "_build" / "edition", args.timeout)
+    return 1 if failed else 0
 
 
 def cmd_workers(args) -> int:
@@ -201,7 +202,6 @@ def main(argv=None) -> int:
     grade_.set_defaults(func=cmd_grade)
     html = commands.add_parser("html", help="execute the lectures and write a static HTML edition")
     html.add_argument("--out", default="_build/html")
-    html.add_argument("--with-solutions", action="store_true", help="render solutions/ too")
     html.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     html.set_defaults(func=cmd_html)
     workers = commands.add_parser("workers", help="write every chapter's worker scripts to a folder")

@@ -1,99 +1,107 @@
-"""The rendered edition: execute every lecture and write static HTML with an index page.
+"""The rendered edition: every lecture executed and published as a Sphinx site.
 
-    spike-course html [--out _build/html] [--with-solutions]
+    spike-course html [--out _build/html]
 
-Each notebook runs in its own folder (as in JupyterLab, so its worker scripts land in
-``workers/``), then nbconvert turns the executed copy into HTML with its outputs,
-figures and widget state. ``index.html`` lists the chapters in order with their titles
-and how long each took to run, which is also the cheapest way to see whether every
-chapter still fits the time budget.
+The stack is Jupyter Book 1's: myst-nb executes the notebooks and sphinx-book-theme
+gives the contents sidebar, previous/next links and search. There is no conf.py to keep:
+``CONF`` below is the whole configuration, and ``index.md`` is written on each build with
+the chapters in order and a table of how long each one ran. The Sphinx source folder is
+``WORK/source``: that ``index.md`` and a link to ``notebooks/``, so each notebook runs in
+its own folder (as in JupyterLab: its worker scripts land in ``notebooks/workers/``).
+
+Executed notebooks are kept in a jupyter-cache under ``WORK/jupyter_cache``: a lecture
+runs again only when one of its code cells changed (or its last run failed).
 """
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 
 from .notebook import describe_devices
 
+CONF = {
+    "project": "spike-course",
+    "html_title": "Distributed PyTorch on (fractions of) GPUs",
+    "extensions": ["myst_nb"],
+    "html_theme": "sphinx_book_theme",
+    "myst_enable_extensions": ["dollarmath"],  # $m$ in markdown cells, as JupyterLab shows it
+    # index.md and the lectures; not the workers, data or figures the notebooks write.
+    "include_patterns": ["index.md", "notebooks/[0-9][0-9]_*.ipynb"],
+    "nb_execution_mode": "cache",
+    "nb_execution_in_temp": False,  # run in the notebook's folder: workers/NN_topic/... is relative
+    "nb_execution_show_tb": True,   # a failing cell's traceback goes into the build log
+    # %%writefile cells hold C or shell that the ipython3 highlighter cannot lex: harmless.
+    "suppress_warnings": ["misc.highlighting_failure"],
+}
 
-def title_of(notebook, fallback: str) -> str:
-    """The first markdown heading of a notebook, without its '#'."""
-    for cell in notebook.cells:
-        if cell.cell_type == "markdown":
-            for line in cell.source.splitlines():
-                if line.startswith("#"):
-                    return line.lstrip("#").strip()
-    return fallback
+INDEX = """\
+# Distributed PyTorch on (fractions of) GPUs
 
+The rendered edition of spike-course: every lecture executed on {devices},
+with its outputs and figures.
 
-def save_chapter_figure(notebook, target: Path) -> Path | None:
-    """Save the figure that stands for a chapter: the first image of a cell tagged
-    ``chapter-figure``, else the notebook's first image (used for the README's map)."""
-    import base64
+```{{toctree}}
+:caption: Chapters
+:maxdepth: 1
 
-    cells = [c for c in notebook.cells if c.cell_type == "code"]
-    tagged = [c for c in cells if "chapter-figure" in c.metadata.get("tags", [])]
-    for cell in tagged + cells:
-        for output in cell.get("outputs", []):
-            image = output.get("data", {}).get("image/png")
-            if image:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(base64.b64decode(image))
-                return target
-    return None
+{chapters}
+```
 
+## Run times
 
-def render(path: Path, out_dir: Path, timeout: int = 600) -> dict:
-    """Execute one notebook and write its HTML; return what the index needs to know."""
-    from nbconvert import HTMLExporter
+Seconds each lecture took to run here, when it last ran (a lecture whose code did not
+change since comes from the cache).
 
-    from .headless import run_notebook
-
-    run = run_notebook(path, timeout)  # a failure keeps what ran: the page shows where it stopped
-    notebook, error, seconds = run.notebook, run.error, run.seconds
-    figure = save_chapter_figure(notebook, out_dir / "figures" / path.parent.name / f"{path.stem}.png")
-    body, _ = HTMLExporter(template_name="lab").from_notebook_node(notebook)
-    target = out_dir / path.parent.name / f"{path.stem}.html"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(body)
-    return {"title": title_of(notebook, path.stem), "href": f"{path.parent.name}/{path.stem}.html",
-            "seconds": seconds, "error": error, "folder": path.parent.name,
-            "figure": figure.relative_to(out_dir).as_posix() if figure else None}
+```{{nb-exec-table}}
+```
+"""
 
 
-def write_index(pages: list[dict], out_dir: Path) -> Path:
-    rows = []
-    for page in pages:
-        status = (f'<span class="bad">failed: {html.escape(page["error"])}</span>' if page["error"]
-                  else f'{page["seconds"]:.0f} s')
-        figure = f'<img src="{page["figure"]}" height="90">' if page["figure"] else ""
-        rows.append(f'<tr><td><a href="{page["href"]}">{html.escape(page["title"])}</a></td>'
-                    f'<td>{page["folder"]}</td><td>{status}</td><td>{figure}</td></tr>')
-    index = out_dir / "index.html"
-    index.write_text(f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>spike-course: distributed PyTorch</title>
-<style>body{{font-family:sans-serif;max-width:52em;margin:2em auto;line-height:1.5}}
-td{{padding:.2em 1em .2em 0}} .bad{{color:#b00}}</style></head><body>
-<h1>Distributed PyTorch on (fractions of) GPUs</h1>
-<p>The rendered edition of the course: every notebook executed on {html.escape(describe_devices())},
-with its outputs and figures. The times are what each notebook took to run here.</p>
-<table><tr><th>chapter</th><th>part</th><th>run time</th><th></th></tr>
-{chr(10).join(rows)}
-</table></body></html>
-""")
-    return index
+def write_source(notebooks: Path, source: Path) -> list[str]:
+    """Write ``source/index.md`` and link ``source/notebooks`` to the lectures; return
+    the chapters' document names in order."""
+    source.mkdir(parents=True, exist_ok=True)
+    link = source / "notebooks"
+    link.unlink(missing_ok=True)
+    link.symlink_to(notebooks.resolve(), target_is_directory=True)
+    chapters = [f"notebooks/{path.stem}" for path in sorted(notebooks.glob("[0-9][0-9]_*.ipynb"))]
+    index, text = source / "index.md", INDEX.format(devices=describe_devices(), chapters="\n".join(chapters))
+    if not index.exists() or index.read_text() != text:  # else Sphinx would read it again
+        index.write_text(text)
+    return chapters
 
 
-def build_site(root: Path, out_dir: Path, with_solutions: bool = False, timeout: int = 600) -> list[dict]:
-    folders = ["notebooks"] + (["solutions"] if with_solutions else [])
-    pages = []
-    for folder in folders:
-        for path in sorted((root / folder).glob("*.ipynb")):
-            print(f"running {folder}/{path.name} ...", flush=True)
-            page = render(path, out_dir, timeout)
-            print(f"  {'FAILED ' + page['error'] if page['error'] else 'ok'} in {page['seconds']:.0f} s", flush=True)
-            pages.append(page)
-    index = write_index(pages, out_dir)
-    print(f"wrote {index} ({len(pages)} pages, {sum(p['seconds'] for p in pages):.0f} s of notebooks)")
-    return pages
+def _exec_data(env, docname: str) -> dict:
+    from myst_nb.sphinx_ import NbMetadataCollector
+
+    return NbMetadataCollector.get_exec_data(env, docname) or {}
+
+
+def build_site(notebooks: Path, out_dir: Path, work_dir: Path, timeout: int = 600) -> list[str]:
+    """Build the site from the lectures in ``notebooks`` into ``out_dir``; print each
+    chapter's run time and return the chapters whose notebook failed."""
+    from sphinx.application import Sphinx
+    from sphinx.util.docutils import docutils_namespace, patch_docutils
+
+    chapters = write_source(notebooks, work_dir / "source")
+    conf = dict(CONF, nb_execution_timeout=timeout, nb_execution_cache_path=str(work_dir / "jupyter_cache"))
+    # As sphinx-build does: docutils' directives and roles registered for this build only.
+    with patch_docutils(work_dir / "source"), docutils_namespace():
+        app = Sphinx(srcdir=work_dir / "source", confdir=None, outdir=out_dir, doctreedir=work_dir / "doctrees",
+                     buildername="html", confoverrides=conf)
+        # A failed run is not cached, and Sphinx would not read an unchanged notebook again:
+        # ask for it, so that the next build retries it instead of showing the old failure.
+        app.connect("env-get-outdated", lambda app, env, *changes:
+                    [doc for doc in chapters if _exec_data(env, doc).get("succeeded") is False])
+        app.build()
+
+    failed = []
+    for doc in chapters:
+        data = _exec_data(app.env, doc)
+        if data.get("succeeded"):
+            print(f"{doc}: {data['runtime']:.0f} s")
+        else:
+            print(f"{doc}: FAILED {data.get('error') or 'not executed'} (traceback in the log above)")
+            failed.append(doc)
+    print(f"wrote {out_dir / 'index.html'}")
+    return failed

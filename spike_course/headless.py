@@ -1,5 +1,5 @@
 """Run a notebook headless, as "Run all" would: one place for the nbclient set-up that
-``spike-course run``, ``grade``, ``html`` and ``gpu-check`` share."""
+``spike-course run``, ``grade`` and ``gpu-check`` share."""
 
 from __future__ import annotations
 

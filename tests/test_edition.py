@@ -1,44 +1,73 @@
-"""The rendered edition's pieces that need no kernel: titles, chapter figures, the index."""
-
-import base64
+"""The rendered edition, built from three tiny lectures: pages in order, previous/next
+links, search, the figure, run times, the notebook's own folder as its working directory,
+a failing lecture reported (and run again next time), and the cache that makes a second
+build skip the lectures that passed."""
 
 import nbformat
+import pytest
 
 from spike_course import edition
 
-PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n fake").decode()
+FIGURE = """\
+import matplotlib.pyplot as plt
+plt.plot([0, 1], [1, 0])
+plt.show()"""
 
 
-def _notebook():
+def _lecture(path, title, code):
     nb = nbformat.v4.new_notebook()
-    first = nbformat.v4.new_code_cell("plot()")
-    first.outputs = [nbformat.v4.new_output("display_data", data={"image/png": PNG, "text/plain": "fig"})]
-    tagged = nbformat.v4.new_code_cell("plot()", metadata={"tags": ["chapter-figure"]})
-    tagged.outputs = [nbformat.v4.new_output("display_data", data={"image/png": base64.b64encode(b"tagged").decode()})]
-    nb.cells = [nbformat.v4.new_markdown_cell("intro\n# 03 · Data parallel\ntext"), first, tagged]
-    return nb
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_markdown_cell(f"# {title}\n\ntext"), nbformat.v4.new_code_cell(code)]
+    nbformat.write(nb, path)
 
 
-def test_title_is_the_first_heading():
-    assert edition.title_of(_notebook(), "x") == "03 · Data parallel"
-    assert edition.title_of(nbformat.v4.new_notebook(), "fallback") == "fallback"
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    root = tmp_path_factory.mktemp("course")
+    (root / "notebooks").mkdir()
+    # Written relative to the working directory, as chapters write workers/NN_topic/...
+    _lecture(root / "notebooks" / "00_first.ipynb", "00 · First", "open('here.txt', 'w').write('x')")
+    _lecture(root / "notebooks" / "01_second.ipynb", "01 · Second", FIGURE)
+    _lecture(root / "notebooks" / "02_broken.ipynb", "02 · Broken", "open('fixed.txt').read()")
+    failed = edition.build_site(root / "notebooks", root / "html", root / "work")
+    return root, failed
 
 
-def test_the_tagged_figure_stands_for_the_chapter(tmp_path):
-    target = edition.save_chapter_figure(_notebook(), tmp_path / "f.png")
-    assert target.read_bytes() == b"tagged"
-    nb = _notebook()
-    nb.cells.pop()  # without a tag: the first image
-    assert edition.save_chapter_figure(nb, tmp_path / "g.png").read_bytes().startswith(b"\x89PNG")
-    assert edition.save_chapter_figure(nbformat.v4.new_notebook(), tmp_path / "h.png") is None
+def test_lectures_run_in_their_own_folder_and_a_failure_is_reported(site):
+    root, failed = site
+    assert failed == ["notebooks/02_broken"]
+    assert (root / "notebooks" / "here.txt").exists()
 
 
-def test_index_lists_pages_in_order_and_flags_failures(tmp_path):
-    pages = [{"title": "00 · Welcome", "href": "notebooks/00.html", "seconds": 12.0, "error": None,
-              "folder": "notebooks", "figure": "figures/notebooks/00.png"},
-             {"title": "01 · Messages", "href": "notebooks/01.html", "seconds": 3.0,
-              "error": "CellExecutionError: boom", "folder": "notebooks", "figure": None}]
-    text = edition.write_index(pages, tmp_path).read_text()
-    assert text.index("00 · Welcome") < text.index("01 · Messages")
-    assert "12 s" in text and "failed: CellExecutionError: boom" in text
-    assert '<img src="figures/notebooks/00.png"' in text
+def test_index_lists_the_chapters_in_order_with_run_times(site):
+    root, _ = site
+    index = (root / "html" / "index.html").read_text()
+    assert index.index('href="notebooks/00_first.html"') < index.index('href="notebooks/01_second.html"')
+    assert "Run Time (s)" in index and "✅" in index and "❌" in index
+
+
+def test_pages_link_to_the_previous_and_next_chapter(site):
+    root, _ = site
+    first = (root / "html" / "notebooks" / "00_first.html").read_text()
+    second = (root / "html" / "notebooks" / "01_second.html").read_text()
+    assert '<link rel="next" title="01 · Second" href="01_second.html"' in first
+    assert '<link rel="prev" title="00 · First" href="00_first.html"' in second
+
+
+def test_search_and_the_figure_are_there(site):
+    root, _ = site
+    assert (root / "html" / "search.html").exists()
+    assert "Second" in (root / "html" / "searchindex.js").read_text()
+    second = (root / "html" / "notebooks" / "01_second.html").read_text()
+    images = list((root / "html" / "_images").glob("*.png"))
+    assert len(images) == 1 and f"_images/{images[0].name}" in second
+
+
+def test_a_second_build_comes_from_the_cache_and_retries_the_failure(site):
+    root, _ = site
+    (root / "notebooks" / "here.txt").unlink()
+    (root / "notebooks" / "fixed.txt").write_text("x")
+    # Sphinx reads a changed notebook again; its code did not change, so it is not run.
+    (root / "notebooks" / "00_first.ipynb").touch()
+    assert edition.build_site(root / "notebooks", root / "html", root / "work") == []
+    assert not (root / "notebooks" / "here.txt").exists()
