@@ -103,5 +103,30 @@ def build_site(notebooks: Path, out_dir: Path, work_dir: Path, timeout: int = 60
         else:
             print(f"{doc}: FAILED {data.get('error') or 'not executed'} (traceback in the log above)")
             failed.append(doc)
-    print(f"wrote {out_dir / 'index.html'}")
+    figures = save_chapter_figures(notebooks, work_dir / "jupyter_cache", out_dir / "figures")
+    print(f"wrote {out_dir / 'index.html'} and {len(figures)} chapter figures in {out_dir / 'figures'}")
     return failed
+
+
+def save_chapter_figures(notebooks: Path, cache: Path, target: Path) -> list[Path]:
+    """For the README's chapter map: each executed lecture's first image of a cell tagged
+    ``chapter-figure`` (else its first image), from the cache, as ``target/NN_topic.png``."""
+    import base64
+
+    from jupyter_cache import get_cache
+
+    saved = []
+    for path in sorted(notebooks.glob("[0-9][0-9]_*.ipynb")):
+        try:
+            _, notebook = get_cache(cache).merge_match_into_file(str(path))
+        except KeyError:  # not executed successfully: no figure
+            continue
+        cells = [c for c in notebook.cells if c.cell_type == "code"]
+        tagged = [c for c in cells if "chapter-figure" in c.metadata.get("tags", [])]
+        image = next((o["data"]["image/png"] for c in tagged + cells for o in c.get("outputs", [])
+                      if "image/png" in o.get("data", {})), None)
+        if image:
+            target.mkdir(parents=True, exist_ok=True)
+            saved.append(target / f"{path.stem}.png")
+            saved[-1].write_bytes(base64.b64decode(image))
+    return saved

@@ -61,6 +61,10 @@ def test_search_and_the_figure_are_there(site):
     second = (root / "html" / "notebooks" / "01_second.html").read_text()
     images = list((root / "html" / "_images").glob("*.png"))
     assert len(images) == 1 and f"_images/{images[0].name}" in second
+    # and the chapter figure for the README's map, the same picture
+    figures = sorted(p.name for p in (root / "html" / "figures").glob("*.png"))
+    assert figures == ["01_second.png"]
+    assert (root / "html" / "figures" / "01_second.png").read_bytes() == images[0].read_bytes()
 
 
 def test_a_second_build_comes_from_the_cache_and_retries_the_failure(site):
