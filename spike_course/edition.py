@@ -115,10 +115,10 @@ def save_chapter_figures(notebooks: Path, cache: Path, target: Path) -> list[Pat
 
     from jupyter_cache import get_cache
 
-    saved = []
+    cache, saved = get_cache(cache), []
     for path in sorted(notebooks.glob("[0-9][0-9]_*.ipynb")):
         try:
-            _, notebook = get_cache(cache).merge_match_into_file(str(path))
+            _, notebook = cache.merge_match_into_file(str(path))
         except KeyError:  # not executed successfully: no figure
             continue
         cells = [c for c in notebook.cells if c.cell_type == "code"]

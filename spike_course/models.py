@@ -20,8 +20,9 @@ def Net(dropout: bool = True) -> nn.Sequential:
     A named ``nn.Sequential``: every step, the functional ones too, is a child module, so
     ``net.conv1`` works as usual, a pipeline stage or a feature extractor is a slice
     (``net[:layer_index(net, "fc2")]``: everything before the classifier) that shares the
-    parameters, and the parameters keep their names ("conv1.weight", ...). A function rather than a subclass, because
-    slicing a ``Sequential`` subclass would call the subclass's constructor.
+    parameters, and the parameters keep their names ("conv1.weight", ...). A function
+    rather than a subclass, because slicing a ``Sequential`` subclass would call the
+    subclass's constructor.
     ``dropout=False`` turns both dropouts into no-ops; chapters that compare a parallel
     run with a single-process run use it, because dropout masks differ between the two.
     """

@@ -13,8 +13,6 @@ from pathlib import Path
 
 def setup(stem: str, seed: int = 0, quiet: bool = False) -> Path:
     """Prepare chapter ``stem`` (e.g. "03_data_parallel") and return its workers folder."""
-    import torch
-
     from .runtime import seed_everything
 
     seed_everything(seed)

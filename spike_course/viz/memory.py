@@ -58,8 +58,8 @@ def memory_measured_vs_model(measured: dict, modeled: dict, unit: str = "KB",
     """Measured bytes per rank beside the cost model's, as pairs of stacked bars.
 
     ``measured[label]`` and ``modeled[label]`` are dicts of "parameters", "gradients" and
-    "optimizer" bytes (and "activations" with ``kinds=WITH_ACTIVATIONS``); each label (e.g. "F = 2") gets a solid bar (measured) and a hatched
-    one (cost model) side by side.
+    "optimizer" bytes (and "activations" with ``kinds=WITH_ACTIVATIONS``); each label
+    (e.g. "F = 2") gets a solid bar (measured) and a hatched one (cost model) side by side.
     """
     scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
     fig, ax = plt.subplots(figsize=(7, 3.8))

@@ -10,7 +10,7 @@ PHASE_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
 
 
 def pipeline_gantt(events, ax=None, title: str | None = None, unit: str = "s",
-                      scale: float = 1.0, label: bool = True):
+                   scale: float = 1.0, label: bool = True):
     """Gantt chart of a pipeline step: one row per rank, one box per micro-batch's
     forward (blue) or backward (orange), numbered by micro-batch; white space is idle.
 
