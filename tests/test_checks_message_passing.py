@@ -4,30 +4,24 @@ import numpy as np
 import pytest
 
 from spike_course import checks
-from spike_course.mpi_collectives import naive_allreduce, ring_allreduce
+from reference_collectives import naive_allreduce, ring_allreduce, tree_allreduce
 
 
-def _ring(comm, array, *, send_first=False, gather=True, chunk_of=None, whole=False):
+def _tree(comm, array, *, broadcast=True, up=(1, 2, 4, 8), down=(8, 4, 2, 1), guard=True):
+    """A binomial-tree all-reduce a learner might write; the keywords plant the mistakes."""
     n, r = comm.size, comm.rank
-    chunks = chunk_of(array, n) if chunk_of else np.array_split(array, n)
-    right, left = (r + 1) % n, (r - 1) % n
-    for step in range(n - 1):
-        if send_first:
-            comm.send(chunks[(r - step) % n], right)
-            chunks[(r - step - 1) % n] += comm.recv(left)
-        elif whole:  # sends everything, the receiver picks the chunk it needs
-            request = comm.isend(array, right)
-            chunks[(r - step - 1) % n] += np.array_split(comm.recv(left), n)[(r - step - 1) % n]
-            request.wait()
-        else:
-            request = comm.isend(chunks[(r - step) % n], right)
-            chunks[(r - step - 1) % n] += comm.recv(left)
-            request.wait()
-    for step in range(n - 1 if gather else 0):
-        request = comm.isend(chunks[(r - step + 1) % n], right)
-        chunks[(r - step) % n][...] = comm.recv(left)
-        request.wait()
-    return array
+    total = np.array(array, copy=True)
+    for k in (k for k in up if k < n):              # reduce: distance 1, 2, 4, ...
+        if r % (2 * k) == k:
+            comm.send(total, r - k)
+        elif r % (2 * k) == 0 and (r + k < n or not guard):
+            total += comm.recv(r + k)
+    for k in (k for k in down if k < n and broadcast):  # broadcast: ..., 4, 2, 1
+        if r % (2 * k) == 0 and (r + k < n or not guard):
+            comm.send(total, r + k)
+        elif r % (2 * k) == k:
+            total = comm.recv(r - k)
+    return total
 
 
 def _fails(check, fn, *words):
@@ -37,34 +31,29 @@ def _fails(check, fn, *words):
         assert word in str(caught.value), str(caught.value)
 
 
-def test_ring_check_passes_the_reference_and_a_learner_style_answer(capsys):
-    checks.check_ring_allreduce(ring_allreduce)
-    checks.check_ring_allreduce(_ring)
+def test_tree_check_passes_the_reference_and_a_learner_style_answer(capsys):
+    checks.check_tree_allreduce(tree_allreduce)
+    checks.check_tree_allreduce(_tree)
     assert "check passed" in capsys.readouterr().out
 
 
-def test_ring_check_names_the_mistakes():
+def test_tree_check_names_the_mistakes():
     def blank(comm, array):
         raise NotImplementedError("exercise")
 
-    def floor_chunks(array, n):
-        k = len(array) // n
-        return [array[i * k:(i + 1) * k] for i in range(n)]
-
-    _fails(checks.check_ring_allreduce, blank, "not written yet")
-    _fails(checks.check_ring_allreduce, lambda c, a: None, "returned None")
-    _fails(checks.check_ring_allreduce, lambda c, a: ring_allreduce(c, a) / c.size,
-           "divided by the world size")
-    _fails(checks.check_ring_allreduce, lambda c, a: a, "its own input unchanged")
-    _fails(checks.check_ring_allreduce, lambda c, a: np.array_split(ring_allreduce(c, a), c.size)[0],
-           "return the whole array")
-    _fails(checks.check_ring_allreduce, lambda c, a: _ring(c, a, gather=False), "all-gather is missing")
-    _fails(checks.check_ring_allreduce, lambda c, a: _ring(c, a, chunk_of=floor_chunks),
-           "np.array_split")
-    _fails(checks.check_ring_allreduce, lambda c, a: _ring(c, a, send_first=True),
-           "only while sends are buffered", "isend")
-    _fails(checks.check_ring_allreduce, naive_allreduce, "2(N-1)")
-    _fails(checks.check_ring_allreduce, lambda c, a: _ring(c, a, whole=True), "whole array in some steps")
+    _fails(checks.check_tree_allreduce, blank, "not written yet")
+    _fails(checks.check_tree_allreduce, lambda c, a: None, "returned None")
+    _fails(checks.check_tree_allreduce, lambda c, a: _tree(c, a) / c.size, "divided by the world size")
+    _fails(checks.check_tree_allreduce, lambda c, a: _tree(c, a, broadcast=False),
+           "only rank 0 holds the sum", "broadcast")
+    _fails(checks.check_tree_allreduce, lambda c, a: _tree(c, a, down=(1, 2, 4, 8)),
+           "partial sum", "reverse order")
+    _fails(checks.check_tree_allreduce, lambda c, a: _tree(c, a, up=(8, 4, 2, 1)),
+           "never reached rank 0", "k = 1, 2, 4")
+    _fails(checks.check_tree_allreduce, lambda c, a: _tree(c, a, guard=False),
+           "does not exist", "r + k < N")
+    _fails(checks.check_tree_allreduce, naive_allreduce, "right sums", "2 ceil(log2 N)")
+    _fails(checks.check_tree_allreduce, ring_allreduce, "right sums", "2 ceil(log2 N)")
 
 
 def _exchange(comm, data, *, src_step=-1, dst_step=1, style="irecv", give="received"):

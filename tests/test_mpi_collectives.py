@@ -1,12 +1,12 @@
-"""The all-reduces built on the simulator (spike_course.mpi_collectives): right sums, the
+"""The all-reduces built on the simulator (tests/reference_collectives.py): right sums, the
 traffic each algorithm is known for, and costmodel.allreduce_time's times exactly."""
 
 import numpy as np
 import pytest
 import torch
 
+from reference_collectives import naive_allreduce, ring_allreduce, tree_allreduce
 from spike_course.costmodel import allreduce_time
-from spike_course.mpi_collectives import naive_allreduce, ring_allreduce, tree_allreduce
 from spike_course.mpi_sim import World
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from reference_collectives import naive_allreduce, ring_allreduce
 from spike_course import viz
-from spike_course.mpi_collectives import naive_allreduce, ring_allreduce
 from spike_course.mpi_sim import DeadlockError, Message, World, waitall
 
 

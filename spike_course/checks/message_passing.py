@@ -1,4 +1,4 @@
-"""Exercise checks for chapter 01: message passing (ring all-reduce, deadlock-free exchange)."""
+"""Exercise checks for chapter 01: message passing (tree all-reduce, deadlock-free exchange)."""
 
 from __future__ import annotations
 
@@ -14,108 +14,110 @@ def _run_simulated(world, fn, inputs, what):
                           "line with your code.") from error
 
 
-def _ring_values(results, inputs, n):
-    """Name the likely mistake when the ring's results are not the sum, else None."""
+def _subset_summed(out, inputs):
+    """The ranks whose inputs add up to ``out``, or None (inputs are random integers, so
+    a match is no accident)."""
+    import itertools
+
+    import numpy as np
+
+    for size in range(1, len(inputs) + 1):
+        for ranks in itertools.combinations(range(len(inputs)), size):
+            if np.array_equal(out, np.sum([inputs[r] for r in ranks], axis=0)):
+                return list(ranks)
+    return None
+
+
+def _tree_values(results, inputs, n):
+    """Name the likely mistake when the tree's results are not the sum, else None."""
     import numpy as np
 
     expected = np.sum(inputs, axis=0)
-    pieces = np.array_split(np.arange(expected.size), n)
+    wrong = {}
     for rank, out in enumerate(results):
         if out is None:
             return f"rank {rank} returned None: return the summed array."
         out = np.asarray(out, dtype=float)
         if out.shape != expected.shape:
-            return (f"rank {rank} returned shape {out.shape}, the input has shape {expected.shape}: "
-                    "return the whole array (all N chunks), not only the chunk that rank reduced.")
-        if np.allclose(out, expected):
+            return f"rank {rank} returned shape {out.shape}, the input has shape {expected.shape}."
+        if np.array_equal(out, expected):
             continue
         if np.allclose(out * n, expected):
             return ("the result is the sum divided by the world size: an all-reduce sums. "
                     "(Averaging gradients is a later step, in data parallel training.)")
-        if np.allclose(out, inputs[rank]):
-            return (f"rank {rank} returned its own input unchanged: the sums never reached the "
-                    "array you returned. np.array_split returns views into the array it cuts; "
-                    "add into those chunks in place and return that array.")
-        right = [i for i, p in enumerate(pieces) if np.allclose(out[p], expected[p])]
-        if len(right) == 1:
-            return (f"on {n} ranks, rank {rank} has only chunk {right[0]} fully summed: that is "
-                    "where the reduce-scatter ends. The all-gather is missing (or does not write "
-                    "into the array): N-1 more steps in which each rank passes on a finished "
-                    "chunk and overwrites its copy with the one it receives.")
-        return (f"on {n} ranks, rank {rank} has wrong values in chunks "
-                f"{[i for i in range(n) if i not in right]}. Most likely the chunk indices: in "
-                "reduce-scatter step s rank r sends chunk (r - s) % N and adds the chunk it "
-                "receives into chunk (r - s - 1) % N; in all-gather step s it sends chunk "
-                "(r - s + 1) % N and overwrites chunk (r - s) % N with what it receives.")
-    return None
+        wrong[rank] = _subset_summed(out, inputs)
+    if not wrong:
+        return None
+    if len(wrong) == n - 1 and 0 not in wrong:
+        return (f"on {n} ranks only rank 0 holds the sum: that is the reduce. The broadcast "
+                "back down the tree is missing: rank 0 sends the total to rank k, then both "
+                "send it on, until every rank has it.")
+    subsets = {tuple(s) if s else None for s in wrong.values()}
+    if len(wrong) == n and len(subsets) == 1 and None not in subsets:
+        lost = sorted(set(range(n)) - set(next(iter(subsets))))
+        return (f"on {n} ranks every rank holds the sum of ranks {list(next(iter(subsets)))} only: "
+                f"the contributions of ranks {lost} never reached rank 0. In the reduce a rank "
+                "sends its partial sum up only after it has received from all its children: go "
+                "through the distances k = 1, 2, 4, ... in that order.")
+    rank, ranks = next(iter(wrong.items()))
+    if ranks is not None and ranks != [rank]:
+        return (f"on {n} ranks rank {rank} ended with the sum of ranks {ranks} only: it got a "
+                "partial sum, sent before the sender had the total. Broadcast down the tree in "
+                "the reverse order of the reduce (the largest distance first: ..., 4, 2, 1), so "
+                "a rank passes the total on only after it has received it.")
+    if ranks == [rank]:
+        return (f"on {n} ranks rank {rank} returned its own input unchanged: it never received "
+                "(or never kept) the total.")
+    return (f"on {n} ranks ranks {sorted(wrong)} return wrong values. In round k (k = 1, 2, 4, "
+            "... while k < N) of the reduce, rank r with r % (2k) == k sends to r - k, and rank r "
+            "with r % (2k) == 0 adds what r + k sends, if r + k < N.")
 
 
-def _ring_traffic(world, n, length, itemsize):
-    """Name the likely mistake when the ring's messages are not 2(N-1) chunks to the right."""
-    counts, sent = world.messages_per_rank(), world.bytes_per_rank()
-    for m in world.trace:
-        if m.dest != (m.source + 1) % n:
-            return (f"on {n} ranks rank {m.source} sent a message to rank {m.dest}: in a ring each "
-                    "rank sends only to its right neighbour (rank + 1) % N and receives only from "
-                    "its left one (rank - 1) % N.")
-    for rank in range(n):
-        if counts[rank] != 2 * (n - 1):
-            half = " (only one of the two phases?)" if counts[rank] == n - 1 else ""
-            return (f"on {n} ranks rank {rank} sent {counts[rank]} messages{half}; a ring all-reduce "
-                    f"sends exactly 2(N-1) = {2 * (n - 1)}: N-1 in the reduce-scatter and N-1 in "
-                    "the all-gather, one chunk each.")
-        low, high = (2 * (n - 1) * (length // n) * itemsize,
-                     2 * (n - 1) * -(-length // n) * itemsize)
-        if not low <= sent[rank] <= high:
-            whole = " It sends the whole array in some steps instead of one chunk." \
-                if sent[rank] >= (n - 1) * length * itemsize else ""
-            return (f"on {n} ranks rank {rank} sent {sent[rank]:,} bytes; a ring sends 2(N-1) chunks "
-                    f"of about 1/N of the array ({low:,} to {high:,} bytes here).{whole}")
-    return None
+def check_tree_allreduce(fn) -> None:
+    """``fn(comm, array)`` must return the sum over ranks of ``array`` with a binomial tree:
+    right values on 1-9 ranks (powers of two and not), and a simulated time of exactly
+    2 ceil(log2 N) rounds of one whole array, ``costmodel.allreduce_time``'s tree."""
+    import math
 
-
-def check_ring_allreduce(fn) -> None:
-    """``fn(comm, array)`` must return the sum over ranks of ``array`` with a ring:
-    right values on 2-8 ranks (array lengths that N divides and that it does not),
-    exactly 2(N-1) messages of one chunk per rank, all to the right neighbour, and no
-    deadlock when no send is buffered (every send waits for its receive)."""
     import numpy as np
 
+    from ..costmodel import allreduce_time
     from ..mpi_sim import DeadlockError, World
 
-    for n in range(2, 9):
-        for length in (4 * n, 4 * n + 3):
-            rng = np.random.default_rng(100 * n + length)
-            inputs = [rng.integers(-9, 10, size=length).astype(float) for _ in range(n)]
-            world = World(n)
-            try:
-                results = _run_simulated(world, fn, inputs, "ring_allreduce")
-            except DeadlockError as error:
-                raise CheckFailed(f"your ring deadlocked on {n} ranks. Check that every rank "
-                                  "receives from (rank - 1) % N what that rank sends to it (same "
-                                  f"tag too).\n{error}") from error
-            problem = _ring_values(results, inputs, n)
-            if problem and length % n:  # the length N divides passed just before
-                problem = (f"wrong only when N = {n} does not divide the length ({length}): cut "
-                           "the chunks with np.array_split, which makes some one element longer; "
-                           "length // N drops the remainder.\n(" + problem + ")")
-            problem = problem or _ring_traffic(world, n, length, 8)
-            if problem:
-                raise CheckFailed(problem)
-    inputs = [np.full(64, float(r + 1)) for r in range(4)]
-    try:
-        _run_simulated(World(4, eager_limit=0), fn, inputs, "ring_allreduce")
-    except DeadlockError as error:
-        if all(w.startswith("send(") for w in error.waiting.values()):
+    alpha, beta = 1e-6, 1e-9
+    for n in range(1, 10):
+        rng = np.random.default_rng(n)
+        inputs = [rng.integers(-999, 1000, size=6).astype(float) for _ in range(n)]
+        world = World(n, alpha=alpha, beta=beta)
+        try:
+            results = _run_simulated(world, fn, inputs, "tree_allreduce")
+        except DeadlockError as error:
+            raise CheckFailed(f"your tree deadlocked on {n} ranks: in every round each send "
+                              "needs the matching recv on its partner (same round, same tag). "
+                              f"\n{error}") from error
+        except ValueError as error:
+            if "this world has ranks" not in str(error):
+                raise
             raise CheckFailed(
-                "your ring works only while sends are buffered. With a message too large to "
-                "buffer, a blocking send waits until the receiver posts its recv (MPI allows "
-                "it, real libraries do it), and in a ring every rank sends first: all wait. "
-                "Start the send with req = comm.isend(...), then comm.recv(...), then "
-                f"req.wait().\n{error}") from error
-        raise CheckFailed(f"your ring deadlocks when sends are not buffered:\n{error}") from error
-    passed("ring all-reduce: right sums on 2-8 ranks, 2(N-1) messages of about 1/N of the array "
-           "per rank, and no deadlock when sends are not buffered")
+                f"on {n} ranks your tree talks to a rank that does not exist. When N is not a "
+                "power of two, some ranks have no partner in a round: rank r receives from "
+                f"r + k only if r + k < N.\n{error}") from error
+        problem = _tree_values(results, inputs, n)
+        if problem:
+            raise CheckFailed(problem)
+        nbytes = inputs[0].nbytes
+        rounds = 2 * math.ceil(math.log2(n)) if n > 1 else 0
+        expected = allreduce_time(nbytes, n, "tree", alpha, beta)
+        if not math.isclose(world.elapsed, expected, rel_tol=1e-9, abs_tol=1e-15):
+            took = world.elapsed / (alpha + nbytes * beta)
+            raise CheckFailed(
+                f"right sums, but on {n} ranks your all-reduce takes as long as {took:.3g} "
+                f"messages in a row; a binomial tree takes {rounds} (2 ceil(log2 N)). Pair the "
+                "ranks at distance k = 1, 2, 4, ...: each round halves the ranks still holding "
+                "a partial sum, so the total reaches rank 0 in ceil(log2 N) rounds (and back in "
+                "as many). Sending through rank 0 or along a chain takes N - 1 rounds each way.")
+    passed("tree all-reduce: right sums on 1-9 ranks, in 2 ceil(log2 N) rounds of the whole "
+           "array, as costmodel.allreduce_time says")
 
 
 def check_exchange(fn) -> None:

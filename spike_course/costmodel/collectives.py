@@ -38,10 +38,10 @@ def allreduce_time(nbytes, world_size: int, algorithm: str, alpha: float, beta: 
     tree:  binomial reduce then broadcast, 2 ceil(log2 N) rounds of the whole array:
            2 ceil(log2 N)(alpha + n beta): few latencies, but full-size messages.
 
-    ``spike_course.mpi_collectives`` reproduces these times exactly in the simulator
-    (``mpi_sim``). Real libraries do better than this "tree" (NCCL pipelines a double
-    binary tree in chunks) and the reduction's arithmetic is not counted. ``nbytes`` may
-    be a numpy array of sizes.
+    The simulator (``mpi_sim``) reproduces these times exactly: chapter 01 holds its ring
+    and the learner's tree to them. Real libraries do better than this "tree" (NCCL
+    pipelines a double binary tree in chunks) and the reduction's arithmetic is not
+    counted. ``nbytes`` may be a numpy array of sizes.
     """
     import math
 

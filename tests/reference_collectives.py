@@ -1,18 +1,20 @@
-"""Reference all-reduces built from the simulator's point-to-point messages (chapter 01).
+"""All-reduces built from the simulator's point-to-point messages, for the tests.
 
 ``naive_allreduce`` (everything through rank 0), ``ring_allreduce`` (reduce-scatter,
 then all-gather) and ``tree_allreduce`` (binomial reduce, then broadcast). Each takes
 a rank's ``comm`` and its array (numpy or torch) and returns the sum over the ranks,
 shaped like the input, which it leaves untouched. Their simulated times are exactly
-``costmodel.allreduce_time``'s formulas. The chapter times them; writing the ring is
-its exercise 1, checked against its own reference sums, not against this code.
+``costmodel.allreduce_time``'s formulas, which the tests hold them to.
+
+They live here, not in ``spike_course``: chapter 01 defines its naive and ring all-reduce
+in the lecture, and the tree is its exercise 1 (a learner must not be able to import it).
 """
 
 from __future__ import annotations
 
 import math
 
-from .mpi_sim import waitall
+from spike_course.mpi_sim import waitall
 
 
 def _flat_copy(array):
