@@ -1,89 +1,211 @@
-"""Chapter 07's checks name the mistake: fed wrong answers, they say which one."""
+"""Chapter 07's check (a resume on another number of ranks) passes the solution and names
+each classic mistake.
 
-import os
+The main mistakes are planted in a copy of the solution's worker (one solution region, or
+one given line, replaced) and launched the way the exercise launches it: 2 ranks without a
+stop, 2 ranks stopped after step 12 with a checkpoint, 1 rank resuming from it. The rarer
+ones are planted in the solution's reported results, which is all the check reads.
+"""
 
+import copy
+import re
+import shutil
+from pathlib import Path
+
+import nbformat
 import pytest
-import torch
 
-from spike_course.checks import CheckFailed, check_checkpoint_functions, check_resumed_run
+from spike_course import launch
+from spike_course.checks import CheckFailed, check_resharded_resume
+from spike_course.launcher import LaunchError
 
-
-def make_save(keys=("model", "optimizer", "scheduler", "epoch", "step"), atomic=True):
-    def save_checkpoint(path, model, optimizer, scheduler, epoch, step):
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step}
-        state = {k: v for k, v in state.items() if k in keys}
-        if atomic:
-            tmp = f"{path}.tmp"
-            torch.save(state, tmp)
-            os.replace(tmp, path)
-        else:
-            torch.save(state, path)
-    return save_checkpoint
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = "workers/07_launching_at_scale/reshape.py"
+GLOBAL_BATCH, LR, STEPS, LIMIT, STOP_AT = 64, 0.05, 20, 512, 12
+ARGS = ["--global-batch", GLOBAL_BATCH, "--lr", LR, "--steps", STEPS, "--limit", LIMIT]
+REGION = re.compile(r"^[ \t]*### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION\n", re.S | re.M)
 
 
-def load_checkpoint(path, model, optimizer, scheduler):
-    state = torch.load(path)
-    model.load_state_dict(state["model"])
-    if "optimizer" in state:
-        optimizer.load_state_dict(state["optimizer"])
-    if "scheduler" in state:
-        scheduler.load_state_dict(state["scheduler"])
-    return state.get("epoch", 0), state.get("step", 0)
+def solution_worker() -> str:
+    notebook = nbformat.read(ROOT / "solutions" / "07_launching_at_scale.ipynb", as_version=4)
+    cell = next(c.source for c in notebook.cells if c.source.startswith(f"%%writefile {WORKER}"))
+    return cell.split("\n", 1)[1] + "\n"
 
 
-def test_correct_functions_pass(tmp_path, capsys):
-    check_checkpoint_functions(make_save(), load_checkpoint, tmp_path)
-    assert "check passed" in capsys.readouterr().out
+def plant(source: str, region: int, code: str) -> str:
+    """The worker with solution region number ``region`` (0: per-rank batch and lr, 1: what
+    the checkpoint stores, 2: where the resume continues) replaced by ``code``."""
+    found = list(REGION.finditer(source))
+    assert len(found) == 3, "the solution's worker should have three solution regions"
+    match = found[region]
+    return source[:match.start()] + code + source[match.end():]
 
 
-@pytest.mark.parametrize("keys, message", [
-    (("model", "scheduler", "epoch", "step"), "optimizer state not restored"),
-    (("model", "optimizer", "epoch", "step"), "scheduler state not restored"),
-    (("model", "optimizer", "scheduler"), "expected (epoch, step)"),
-])
-def test_missing_state_is_named(tmp_path, keys, message):
-    with pytest.raises(CheckFailed, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_checkpoint_functions(make_save(keys), load_checkpoint, tmp_path)
+def run(script, nproc, *extra):
+    return launch(script, nproc=nproc, args=ARGS + list(extra), echo=False, progress=False,
+                  timeout=180).results
 
 
-def test_model_not_loaded_is_named(tmp_path):
-    def load_without_model(path, model, optimizer, scheduler):
-        state = torch.load(path)
-        return state["epoch"], state["step"]
-    with pytest.raises(CheckFailed, match="model's weight differs"):
-        check_checkpoint_functions(make_save(), load_without_model, tmp_path)
+@pytest.fixture(scope="module")
+def solution(tmp_path_factory):
+    """The solution's three runs, and the first part's checkpoint (kept for resume-only plants)."""
+    folder = tmp_path_factory.mktemp("solution")
+    script = folder / "reshape.py"
+    script.write_text(solution_worker())
+    ckpt = folder / "first_part.pt"
+    runs = {"uninterrupted": run(script, 2),
+            "first_part": run(script, 2, "--ckpt", ckpt, "--stop-at", STOP_AT)}
+    shutil.copy(ckpt, folder / "saved_by_first_part.pt")  # the resume below leaves it as it is anyway
+    runs["resumed"] = run(script, 1, "--ckpt", ckpt)
+    return runs, folder / "saved_by_first_part.pt"
 
 
-def test_non_atomic_write_is_named(tmp_path):
-    with pytest.raises(CheckFailed, match="non-atomic write"):
-        check_checkpoint_functions(make_save(atomic=False), load_checkpoint, tmp_path)
+def check(runs):
+    check_resharded_resume(runs["uninterrupted"], runs["first_part"], runs["resumed"],
+                           global_batch=GLOBAL_BATCH, lr=LR)
 
 
-def test_nothing_written_is_named(tmp_path):
-    with pytest.raises(CheckFailed, match="did not create"):
-        check_checkpoint_functions(lambda *args: None, load_checkpoint, tmp_path)
+def test_the_solution_passes_and_prints_the_parameter_gap(solution, capsys):
+    runs, _ = solution
+    check(runs)
+    out = capsys.readouterr().out
+    assert "check passed" in out and "final parameters: largest difference" in out
+    assert runs["resumed"][0]["resumed_from"] == STOP_AT
 
 
-def run(resumed_from=10, restarts=1, params=None, losses=None):
-    return {"params": params or {"w": torch.ones(3)}, "resumed_from": resumed_from,
-            "restarts": restarts, "losses": losses or {s: 1.0 / s for s in range(1, 21)}}
+def launch_all(script, tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    return {"uninterrupted": run(script, 2),
+            "first_part": run(script, 2, "--ckpt", ckpt, "--stop-at", STOP_AT),
+            "resumed": run(script, 1, "--ckpt", ckpt)}
 
 
-def test_resumed_run_passes_when_identical(capsys):
-    check_resumed_run(run(resumed_from=0), run(), crash_at=13, ckpt_every=5)
-    assert "check passed" in capsys.readouterr().out
+PER_RANK_BATCH_KEPT = """\
+batch_size = args.global_batch // 2   # the first job's per-rank batch, kept
+lr = args.lr
+"""
+LR_TIMES_WORLD_SIZE = """\
+batch_size = args.global_batch // ctx.world_size
+lr = args.lr * ctx.world_size   # "linear scaling" with the number of GPUs
+"""
 
 
-@pytest.mark.parametrize("resumed, message", [
-    (run(restarts=0), "never restarted"),
-    (run(resumed_from=0), "started again from step 0"),
-    (run(resumed_from=5), "resumed from step 5"),
-    (run(losses={s: 1.0 / s + (s > 10) for s in range(1, 21)}), "very first step after resuming"),
-    (run(losses={s: 1.0 / s + (s > 12) for s in range(1, 21)}), "optimizer state"),
-    (run(losses={s: 1.0 / s for s in range(1, 15)}), "never trained steps"),
-    (run(params={"w": torch.zeros(3)}), "final w differs"),
-])
-def test_resumed_run_mistakes_are_named(resumed, message):
+@pytest.mark.parametrize("code, message", [
+    (PER_RANK_BATCH_KEPT, "per-rank batch kept when the world size changed"),
+    (LR_TIMES_WORLD_SIZE, "learning rate scaled with the number of ranks"),
+], ids=["per-rank-batch-kept", "lr-times-world-size"])
+def test_planted_batch_and_lr_mistakes_are_named(worker, tmp_path, no_orphans, code, message):
+    script = worker(plant(solution_worker(), 0, code))
     with pytest.raises(CheckFailed, match=message):
-        check_resumed_run(run(resumed_from=0), resumed, crash_at=13, ckpt_every=5)
+        check(launch_all(script, tmp_path))
+
+
+def test_planted_position_in_one_ranks_samples_is_named(solution, worker, tmp_path, no_orphans):
+    """Samples seen counted on one rank (step x per-rank batch): the resume on 1 rank reads
+    half the steps. The uninterrupted run never saves, so the solution's serves."""
+    script = worker(plant(solution_worker(), 1, """\
+    state["samples_seen"] = step * batch_size   # the samples THIS rank has seen
+    state["global_batch"] = args.global_batch
+"""))
+    ckpt = tmp_path / "ckpt.pt"
+    runs = {"uninterrupted": solution[0]["uninterrupted"],
+            "first_part": run(script, 2, "--ckpt", ckpt, "--stop-at", STOP_AT),
+            "resumed": run(script, 1, "--ckpt", ckpt)}
+    assert runs["resumed"][0]["resumed_from"] == STOP_AT // 2
+    with pytest.raises(CheckFailed, match=r"continued after step 6.*trained twice.*ONE rank"):
+        check(runs)
+
+
+def resume_from_the_solutions_checkpoint(solution, script, tmp_path):
+    """Plants in the resume code change only the resumed run: it starts from a copy of the
+    checkpoint that the solution's first part saved."""
+    runs, saved = solution
+    ckpt = tmp_path / "ckpt.pt"
+    shutil.copy(saved, ckpt)
+    return {**runs, "resumed": run(script, 1, "--ckpt", ckpt)}
+
+
+def test_planted_epoch_left_at_zero_is_named(solution, worker, tmp_path, no_orphans):
+    script = worker(plant(solution_worker(), 2, """\
+    step = state["samples_seen"] // args.global_batch
+    skip = step % steps_per_epoch   # the epoch is left at 0
+"""))
+    with pytest.raises(CheckFailed, match="right place in the epoch but the wrong epoch's shuffle"):
+        check(resume_from_the_solutions_checkpoint(solution, script, tmp_path))
+
+
+def test_planted_scheduler_not_restored_is_named(solution, worker, tmp_path, no_orphans):
+    source = solution_worker()
+    line = '    scheduler.load_state_dict(state["scheduler"])\n'
+    assert source.count(line) == 1
+    script = worker(source.replace(line, ""))
+    with pytest.raises(CheckFailed, match="scheduler was not restored"):
+        check(resume_from_the_solutions_checkpoint(solution, script, tmp_path))
+
+
+def test_a_global_batch_that_does_not_divide_is_refused(worker, no_orphans):
+    script = worker(solution_worker())
+    with pytest.raises(LaunchError, match="does not divide into 3"):
+        launch(script, nproc=3, args=ARGS, echo=False, progress=False, timeout=120)
+
+
+# --- the rarer mistakes, planted in the solution's reported results ---
+
+def edited(solution, edit):
+    runs = copy.deepcopy(solution[0])
+    edit(runs["uninterrupted"][0], runs["first_part"][0], runs["resumed"][0])
+    return runs
+
+
+def set_samples(report, step, samples):
+    report["trained"][step]["samples"] = list(samples)
+
+
+def scale_lr(report, factor, from_step=1):
+    for s, step in report["trained"].items():
+        if s >= from_step:
+            step["lr"] *= factor
+
+
+MISTAKES = {
+    "same-world-size": (lambda u, f, r: r.update(world_size=2), "as the first part did"),
+    "first-part-on-other-ranks": (lambda u, f, r: u.update(world_size=4), "launch both with the same nproc"),
+    "global-batch-per-rank": (lambda u, f, r: [set_samples(u, s, list(range(128))) for s in u["trained"]],
+                              r"each of the 2 ranks of the uninterrupted run took --global-batch"),
+    "lr-divided-by-ranks": (lambda u, f, r: scale_lr(u, 0.5), "learning rate divided by the number of ranks"),
+    "first-part-differs": (lambda u, f, r: set_samples(f, 3, u["trained"][4]["samples"]),
+                           "first part's step 3 differs"),
+    "started-from-zero": (lambda u, f, r: r.update(resumed_from=0), "started from step 0"),
+    "steps-lost": (lambda u, f, r: r.update(resumed_from=14), r"steps 13..14 are never trained"),
+    "model-not-restored": (lambda u, f, r: r["start"]["params"]["fc2.bias"].add_(1.0),
+                           "did not start from the saved model"),
+    "momentum-not-restored": (lambda u, f, r: r["start"].update(momentum={}), "optimizer state"),
+    "step-missing": (lambda u, f, r: r["trained"].pop(20), "expected 13..20"),
+    "skip-off-by-one": (lambda u, f, r: set_samples(r, 13, u["trained"][14]["samples"]),
+                        "the right epoch but 1 batch off"),
+    "epoch-and-skip-off": (lambda u, f, r: set_samples(r, 13, u["trained"][2]["samples"]),
+                           "both the epoch and the batches to skip are off"),
+    "other-shuffle": (lambda u, f, r: set_samples(r, 13, range(64)), "no step of the uninterrupted run"),
+    "lr-rescaled-at-resume": (lambda u, f, r: scale_lr(r, 0.5), "learning rate rescaled at the resume"),
+    "optimizer-lr-not-restored": (lambda u, f, r: scale_lr(r, 4.0), "restore the optimizer's state"),
+    "scheduler-not-restored": (lambda u, f, r: scale_lr(r, 2.0, from_step=16), "scheduler was not restored"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISTAKES))
+def test_reported_mistakes_are_named(solution, name):
+    edit, message = MISTAKES[name]
+    with pytest.raises(CheckFailed, match=message):
+        check(edited(solution, edit))
+
+
+def test_nothing_reported_is_named(solution):
+    runs = dict(solution[0], resumed={})
+    with pytest.raises(CheckFailed, match="resumed run reported nothing"):
+        check(runs)
+
+
+def test_lrs_that_agree_to_rounding_pass(solution, capsys):
+    """A closed-form schedule (lr * gamma ** k) may differ from the chained one in the last bit."""
+    check(edited(solution, lambda u, f, r: scale_lr(r, 1 + 2 ** -52)))
+    assert "check passed" in capsys.readouterr().out

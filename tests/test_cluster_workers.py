@@ -24,8 +24,7 @@ BLOCKER = workers.import_blocker(NOTEBOOK_SIDE, "is notebook-side: a worker must
 
 # One worker per chapter, with arguments that keep it to seconds on 2 cores.
 WORKERS = {
-    "03_data_parallel/train.py": ["--experiments", "by-hand,ddp,train", "--steps", "2",
-                                  "--train-samples", "256", "--test-samples", "128", "--epochs", "1"],
+    "03_data_parallel/train.py": ["--train-samples", "256", "--test-samples", "128", "--epochs", "1"],
     "04_pipeline_parallel/schedules.py": ["--width", "64", "--blocks", "2", "--microbatch-size", "8",
                                           "--microbatches", "2", "--interleaved"],
     "05_tensor_parallel/api_tp.py": ["--steps", "2"],
@@ -115,7 +114,7 @@ def test_spike_course_workers_writes_every_chapter_with_its_run_line(tmp_path):
         assert (first.startswith('"""torchrun --standalone --nproc-per-node=') and relative in first
                 or first.startswith(f'"""python {relative}') or "not run on its own" in first), first
         compile(path.read_text(), str(path), "exec")  # a SyntaxError fails the test
-    assert "### BEGIN SOLUTION" not in (tmp_path / "07_launching_at_scale" / "checkpointing.py").read_text()
+    assert "### BEGIN SOLUTION" not in (tmp_path / "07_launching_at_scale" / "reshape.py").read_text()
 
 
 def test_gpu_check_names_the_first_failing_cell(tmp_path):

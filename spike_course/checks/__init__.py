@@ -16,7 +16,7 @@ from ._common import CheckFailed, close, passed
 from .communication import check_dgx_prediction
 from .data_parallel import check_data_parallel, check_distributed_accuracy
 from .federated import check_fedavg
-from .launching import check_checkpoint_functions, check_resumed_run
+from .launching import check_resharded_resume
 from .message_passing import check_tree_allreduce, check_exchange
 from .pipeline import check_pipeline_gradients
 from .pipeline_training import check_pipeline_training
