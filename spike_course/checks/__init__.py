@@ -22,7 +22,7 @@ from .pipeline import check_pipeline_gradients
 from .pipeline_training import check_pipeline_training
 from .sampling import check_sampler
 from .tensor_parallel import check_parallel_linear, check_tp_plan
-from .zero import check_zero1
+from .zero import check_fsdp2_checkpoint, check_zero1
 from .capstone import check_capstone_job, check_capstone_submit
 from .profiling import check_exposed_share, check_hang_diagnosis
 from .memory import check_fits_budget, check_peak_prediction

@@ -1,6 +1,10 @@
-"""Exercise checks for chapter 06: fully sharded data parallel (ZeRO-1 by hand)."""
+"""Exercise checks for chapter 06: fully sharded data parallel (ZeRO-1 by hand; an FSDP2
+checkpoint saved on N ranks and loaded on one process)."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 from ._common import CheckFailed, close, passed
 
@@ -72,3 +76,222 @@ def check_zero1(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
             "and give the optimizer the gradient of its own slice.")
     passed(f"ZeRO-1 by hand on {world} ranks matches DDP; each rank keeps optimizer state for "
            f"{max(int(results[r]['optimizer_numel']) for r in ranks):,} of {total:,} elements")
+
+
+# --- exercise 2: an FSDP2 checkpoint that outlives its job's shape ---
+
+ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
+SAVE_RECIPE = ("model_state, optimizer_state = get_state_dict(model, optimizer), then "
+               "dcp.save({\"model\": model_state, \"optimizer\": optimizer_state}, "
+               "checkpoint_id=args.checkpoint) on every rank")
+LOAD_RECIPE = ("dcp.load the dicts that get_state_dict(model, optimizer) returns (one call, model and "
+               "optimizer together), then set_state_dict(model, optimizer, model_state_dict=..., "
+               "optim_state_dict=...)")
+
+
+def _failure(saved) -> tuple[int, int, str]:
+    """The rank whose error started it all, its exit code and its last error line (the other
+    ranks' "Connection closed by peer" is only their echo of it)."""
+    failed = sorted(r for r, code in saved.returncodes.items() if code != 0) or sorted(saved.output)
+    found = []
+    for rank in failed:
+        errors = [line.strip() for line in saved.output.get(rank, [])
+                  if re.match(r"\s*[\w.]*(Error|Exception|Interrupt)\b", line)]
+        found.append((rank, saved.returncodes.get(rank), errors[-1] if errors else "(no error line)"))
+    first = [f for f in found if "closed by peer" not in f[2]] or found or [(None, None, "")]
+    return first[0]
+
+
+def _reported(saved, world: int) -> dict:
+    """Rank 0's report, after the failures that leave nothing to compare have been named."""
+    output = "\n".join(line for lines in saved.output.values() for line in lines)
+    if "NotImplementedError" in output:
+        raise CheckFailed("the worker is not written yet: a rank stopped at `raise NotImplementedError`. "
+                          "Replace those lines (the sharding and the save) with your code and run it again.")
+    if saved.timed_out:
+        raise CheckFailed(f"the workers timed out after {saved.seconds:.0f} s: a rank waited in a collective "
+                          "that another rank never entered.")
+    if not saved.results:
+        rank, code, error = _failure(saved)
+        raise CheckFailed(f"rank {rank} failed (exit code {code}) before it reported anything: {error}. The "
+                          "cell above shows its traceback; fix that error first.")
+    missing = [r for r in range(world) if r not in saved.results]
+    if missing:
+        raise CheckFailed(f"ranks {missing} reported nothing: every rank must run the whole worker.")
+    return saved.results[0]
+
+
+def _check_units(units: set, params: dict) -> None:
+    blocks = sorted({m.group(1) for name in params if (m := re.match(r"(layers\.\d+)\.", name))})
+    if not units:
+        raise CheckFailed("no module is an FSDP unit: fully_shard was never called, so every rank "
+                          "trains a whole, unsharded copy. Call fully_shard(block, mesh=mesh) on each "
+                          "block of model.layers, then fully_shard(model, mesh=mesh).")
+    if "" not in units:
+        raise CheckFailed(f"the blocks are FSDP units ({', '.join(sorted(units))}) but the root is not: "
+                          "the embeddings, the final norm and the output layer stay plain tensors on every "
+                          "rank, and nothing averages their gradients, so the ranks drift apart. Call "
+                          "fully_shard(model, mesh=mesh) after the blocks.")
+    unwrapped = [b for b in blocks if b not in units]
+    if unwrapped:
+        raise CheckFailed(
+            f"{', '.join(unwrapped)} {'is' if len(unwrapped) == 1 else 'are'} not FSDP units of "
+            f"{'its' if len(unwrapped) == 1 else 'their'} own (the units: "
+            f"{', '.join(u or 'the root' for u in sorted(units))}): the root's unit then holds those blocks' "
+            "parameters, and its forward gathers them all at once, so at its peak a rank holds them whole, "
+            "as in DDP. Call fully_shard(block, mesh=mesh) on each block of model.layers first, then on "
+            "the model.")
+
+
+def _check_trained(first: dict, params: dict) -> None:
+    import torch
+
+    if all(torch.equal(params[n], first["initial"][n]) for n in params):
+        raise CheckFailed(
+            "the model never trained: after the steps its parameters are still the initial ones, and "
+            "Adam holds no state for them. The optimizer was created before fully_shard: fully_shard "
+            "replaces every parameter of the module with a new, sharded one (a DTensor), so Adam steps "
+            "the old tensors, which get no gradients (and get_state_dict then fails with a KeyError on "
+            "them). Build the optimizer after sharding.")
+
+
+def _check_files(path: Path, world: int, params: dict) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not path.exists():
+        raise CheckFailed(f"nothing was saved at {path}: save to args.checkpoint ({SAVE_RECIPE}).")
+    files = sorted(f.name for f in path.iterdir()) if path.is_dir() else [path.name]
+    if not (path / ".metadata").is_file():
+        raise CheckFailed(
+            f"{path} holds {files}, no .metadata: that is not a DCP checkpoint. torch.save on one rank "
+            "writes that rank's view only (with FSDP, its shards, or whole tensors gathered through one "
+            "process's memory), and nothing records how the pieces fit together. Use DCP: "
+            f"{SAVE_RECIPE}. Each rank writes its own shards in parallel, and .metadata records where every "
+            "piece of every tensor lives, which is what lets another sharding load it.")
+    shards = [f for f in files if f.endswith(".distcp")]
+    if len(shards) != world:
+        raise CheckFailed(f"{path} holds {len(shards)} shard files for {world} ranks: every rank must call "
+                          f"dcp.save (a collective), each writing its own shards.")
+    keys = list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    lacking = [n for n in params if not any(k == n or k.endswith("." + n) for k in keys)]
+    if lacking:
+        raise CheckFailed(f"the checkpoint has no entry for {len(lacking)} of the model's parameters (e.g. "
+                          f"{lacking[0]!r}): save the whole model state, {SAVE_RECIPE}.")
+    if any(re.search(r"\.state\.\d+\.exp_avg$", k) for k in keys):
+        raise CheckFailed(
+            "the optimizer state in the checkpoint is keyed by parameter numbers (optimizer.state_dict() "
+            "numbers the parameters 0, 1, 2, ...), not names: a number means nothing to a model built or "
+            "sharded another way, so no other job can match it. get_state_dict(model, optimizer) keys it "
+            f"by parameter name, as the model's own state: {SAVE_RECIPE}.")
+    if not any(k.endswith(".exp_avg") for k in keys):
+        raise CheckFailed(
+            "the checkpoint holds the model but no optimizer state: a job resumed from it would restart "
+            "Adam from zero moments and step 0, a jolt in its training (and the step count of its bias "
+            f"correction lost). Save both: {SAVE_RECIPE}.")
+
+
+def _load(load, path: Path):
+    import torch
+
+    try:
+        loaded = load(str(path))
+    except NotImplementedError as error:
+        raise CheckFailed("load_on_one_process is not written yet: replace the `raise "
+                          "NotImplementedError` line with your code.") from error
+    if (not isinstance(loaded, tuple) or len(loaded) != 2 or not isinstance(loaded[0], torch.nn.Module)
+            or not isinstance(loaded[1], torch.optim.Optimizer)):
+        raise CheckFailed(f"the load function returned {type(loaded).__name__}: return (model, optimizer).")
+    return loaded
+
+
+def _check_model(model, first: dict) -> dict:
+    import torch
+
+    loaded = dict(model.named_parameters())
+    if loaded.keys() != first["params"].keys():
+        raise CheckFailed("the loaded model's parameters are not the saved model's "
+                          f"({len(loaded)} vs {len(first['params'])} names): build the same TinyTransformer.")
+    differ = [name for name, p in loaded.items() if not torch.equal(p.detach(), first["params"][name])]
+    if len(differ) == len(loaded):
+        raise CheckFailed(
+            "the loaded model holds none of the saved weights: nothing was loaded into it. dcp.load fills, "
+            "in place, the tensors of the dict you pass it (loading into copies leaves the model as it "
+            f"was): {LOAD_RECIPE}.")
+    if differ:
+        name = differ[0]
+        gap = (loaded[name].detach().double() - first["params"][name].double()).abs().max().item()
+        raise CheckFailed(
+            f"the loaded {name} differs from the saved one by up to {gap:.2e} ({len(differ)} of "
+            f"{len(loaded)} parameters differ). Loading copies the saved values, with no arithmetic, so "
+            "they must be equal bit for bit: load the checkpoint the workers just wrote into a fresh "
+            "model, and do not train or change it afterwards.")
+    return loaded
+
+
+def _check_optimizer(optimizer, loaded: dict, first: dict) -> None:
+    import torch
+
+    state = {name: optimizer.state[p] for name, p in loaded.items() if p in optimizer.state}
+    if not any(state.values()):
+        raise CheckFailed(
+            "the loaded optimizer has no state: a new Adam has none until its first step, so its "
+            "optimizer.state_dict() gives dcp.load nothing to fill (and loading only the model leaves "
+            "Adam empty too). get_state_dict(model, optimizer) creates Adam's state for every parameter, "
+            f"keyed by name as in the checkpoint: {LOAD_RECIPE}.")
+    for name, saved in first["adam"].items():
+        got = state.get(name, {})
+        if set(got) != set(saved):
+            raise CheckFailed(f"the loaded Adam state of {name} has {sorted(got)}, the saved one {sorted(saved)}: "
+                              f"{LOAD_RECIPE}.")
+    if not any(s["exp_avg"].any() or s["exp_avg_sq"].any() for s in state.values()):
+        raise CheckFailed(
+            "the loaded optimizer's moments are all zeros (the state get_state_dict creates for a new Adam): "
+            "the model was loaded but the optimizer was not, so a resumed job would restart Adam from "
+            f"scratch. Load both: {LOAD_RECIPE}.")
+    for name, saved in first["adam"].items():
+        for key in ADAM_STATE:
+            if not torch.equal(torch.as_tensor(state[name][key]), torch.as_tensor(saved[key])):
+                raise CheckFailed(
+                    f"the loaded Adam {key} of {name} is not the saved one: the moments and the step must "
+                    f"come back bit for bit (loading copies, no arithmetic). {LOAD_RECIPE}.")
+    lr = optimizer.param_groups[0]["lr"]
+    if lr != first["lr"]:
+        raise CheckFailed(
+            f"the loaded optimizer steps with lr {lr:g}; the saved job used {first['lr']:g}. dcp.load only "
+            "fills the tensors of the dicts you give it; set_state_dict(model, optimizer, "
+            "model_state_dict=..., optim_state_dict=...) called after dcp.load puts the loaded dicts into "
+            "the model and the optimizer, hyperparameters (param_groups) included. Called before "
+            "dcp.load, it applies the dicts while they still hold the fresh optimizer's values.")
+
+
+def check_fsdp2_checkpoint(saved, checkpoint, load) -> None:
+    """Check exercise 2: a model trained with FSDP2 on N ranks, saved with DCP, loads on one process.
+
+    ``saved`` is the workers' LaunchResult (launched with ``check=False``: a rank that failed
+    after training still reports what it trained). Its ``results[rank]`` hold "units" (the
+    names of the modules that are FSDP units), "initial" and "params" (name -> the whole
+    parameter before and after training), "adam" (name -> Adam's exp_avg, exp_avg_sq and step,
+    gathered whole) and "lr". ``checkpoint`` is the folder the workers saved to, and
+    ``load(checkpoint)`` returns (model, optimizer) in this process.
+
+    The comparison is exact: full_tensor() all-gathers (it concatenates the shards), dcp.save
+    writes the shards' bytes and dcp.load reads them back; no value goes through arithmetic.
+    """
+    world, path = saved.nproc, Path(checkpoint)
+    first = _reported(saved, world)
+    params = first["params"]
+    _check_units(set(first["units"]), params)
+    _check_trained(first, params)
+    if not saved.ok:
+        rank, code, error = _failure(saved)
+        hint = (" A rank waited in a collective that another rank never entered: get_state_dict and dcp.save "
+                "are collectives, so every rank calls them (not only rank 0)." if "imed out" in error else "")
+        raise CheckFailed(f"the model trained, but rank {rank} failed afterwards, while saving (exit code "
+                          f"{code}): {error}.{hint} The cell above shows its traceback.")
+    _check_files(path, world, params)
+    model, optimizer = _load(load, path)
+    loaded = _check_model(model, first)
+    _check_optimizer(optimizer, loaded, first)
+    step = int(next(iter(first["adam"].values()))["step"])
+    passed(f"the model and Adam state trained on {world} ranks (FSDP units {sorted(first['units'])}) load on "
+           f"one process bit for bit: {len(params)} parameters, their two moments and step {step}")
