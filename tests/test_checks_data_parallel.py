@@ -1,13 +1,20 @@
-"""The checks of chapters 02 and 03 pass right answers and name the mistake in wrong ones."""
+"""The checks of chapters 02 and 03 pass right answers and name the mistake in wrong ones;
+chapter 03's exercise 1 with its mistakes planted in a copy of the solution's worker."""
 
 import math
+from pathlib import Path
 
+import nbformat
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from spike_course import checks
+import spike_course
+from spike_course import checks, data, models
+from spike_course.checks import CheckFailed
+from spike_course.launcher import LaunchResult
 
 
 class GoodSampler(Sampler):
@@ -133,3 +140,95 @@ def test_distributed_accuracy_mistakes_are_named():
     assert "different accuracies" in message(lambda: checks.check_distributed_accuracy({0: 5 / 6, 1: 2 / 5}, 7, 11, shards))
     mean = (5 / 6 + 2 / 5) / 2
     assert "mean of the ranks' accuracies" in message(lambda: checks.check_distributed_accuracy({0: mean, 1: mean}, 7, 11, shards))
+
+
+# --- chapter 03, exercise 1: one all-reduce per step, planted mistakes launched for real ---
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAT_WORKER = "workers/03_data_parallel/average_by_hand.py"
+BEGIN, END = "    ### BEGIN SOLUTION\n", "    ### END SOLUTION\n"
+PER_PARAMETER = """\
+    for p in model.parameters():  # the lecture's loop: right values, one collective per parameter
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= dist.get_world_size()
+"""
+REBOUND = """\
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= dist.get_world_size()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g = part.view_as(g)  # rebinds the loop variable: no .grad changes
+"""
+
+
+def _solution_worker() -> str:
+    notebook = nbformat.read(ROOT / "solutions" / "03_data_parallel.ipynb", as_version=4)
+    cell = next(c.source for c in notebook.cells if c.source.startswith(f"%%writefile {FLAT_WORKER}"))
+    return cell.split("\n", 1)[1]
+
+
+def _planted(region=None, drop=None) -> str:
+    """The solution's worker with its region replaced by ``region``, or with the line ``drop`` removed."""
+    source = _solution_worker()
+    if drop is not None:
+        assert drop in source
+        return source.replace(drop, "")
+    begin, end = source.index(BEGIN), source.index(END)
+    return source[:begin] + region + source[end + len(END):]
+
+
+def _one_process(batch=16, steps=3, lr=0.05, world=2):
+    """What notebook cell 5 computes: one process, rank 0's start, the two ranks' batches at once."""
+    train_set = data.load_mnist(train=True, limit=batch * steps * world)
+    torch.manual_seed(100)
+    model = models.Net(dropout=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    reference = {"initial": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    for step in range(steps):
+        samples = [train_set[i] for i in range(step * world * batch, (step + 1) * world * batch)]
+        x, y = torch.stack([s[0] for s in samples]), torch.tensor([s[1] for s in samples])
+        optimizer.zero_grad()
+        F.nll_loss(model(x), y).backward()
+        if step == 0:
+            reference["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+    reference["final"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return reference
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return _one_process()
+
+
+def test_the_solution_passes_with_one_allreduce(worker, no_orphans, one_process, capsys):
+    job = spike_course.launch(worker(_solution_worker()), nproc=2, echo=False, progress=False, timeout=120)
+    assert [job.results[r]["collectives"] for r in range(2)] == [{"allreduce_": 1}] * 2
+    checks.check_flat_allreduce(job, one_process)
+    assert "one all-reduce per step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("planted, expected", [
+    (dict(region=PER_PARAMETER), "8 all-reduces in one step .* flatten into one buffer"),
+    (dict(region=REBOUND), "never copied back into .grad"),
+    (dict(drop="    flat /= dist.get_world_size()\n"), "summed but not averaged: they are 2 times too big"),
+    (dict(drop="        offset += g.numel()\n"), "slices are misaligned: conv1.bias.grad"),
+], ids=["one-allreduce-per-parameter", "not-copied-back", "not-divided", "offset-not-advanced"])
+def test_planted_mistakes_are_named(planted, expected, worker, no_orphans, one_process):
+    job = spike_course.launch(worker(_planted(**planted)), nproc=2, echo=False, progress=False, timeout=120)
+    assert job.ok, job.output
+    with pytest.raises(CheckFailed, match=expected):
+        checks.check_flat_allreduce(job, one_process)
+
+
+def test_a_blank_or_crashed_worker_is_named():
+    blank = LaunchResult(nproc=2, returncodes={0: 1, 1: 1}, output={
+        0: ["Traceback (most recent call last):",
+            'NotImplementedError: exercise: replace this line with your code'], 1: []})
+    with pytest.raises(CheckFailed, match="not written yet"):
+        checks.check_flat_allreduce(blank, {})
+    crashed = LaunchResult(nproc=2, returncodes={0: 0, 1: 1}, results={0: {}}, output={
+        0: [], 1: ["RuntimeError: shape '[32]' is invalid for input of size 288"]})
+    with pytest.raises(CheckFailed, match="rank 1 failed .*shape"):
+        checks.check_flat_allreduce(crashed, {})

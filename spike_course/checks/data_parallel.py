@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ._common import CheckFailed, all_close, largest_difference, passed
+import re
+
+from ._common import CheckFailed, all_close, close, largest_difference, passed
 
 
 def _same_names_all_close(a: dict, b: dict, rtol: float, atol: float, factor: float = 1.0) -> bool:
@@ -17,6 +19,116 @@ def check_data_parallel(ranks: dict, reference: dict, rtol: float = 1e-4, atol: 
     averaging, just before ``optimizer.step``) and ``"final"`` (parameters at the end), each a
     dict name -> tensor. The reference trains one process on the concatenated batches.
     """
+    _compare_training(ranks, reference, rtol, atol)
+    passed(f"{len(ranks)} ranks trained exactly like one process with the whole batch "
+           "(same start, averaged gradients, same final weights)")
+
+
+def check_flat_allreduce(job, reference: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """Check exercise 1 of chapter 03: data parallel that averages every gradient with ONE
+    all-reduce per step, against one process that saw every rank's batch.
+
+    ``job`` is the launch of ``average_by_hand.py`` (``launch(..., check=False)``, so that a
+    blank exercise reaches this check) or its ``results``. Besides what
+    :func:`check_data_parallel` compares, each rank reports ``"local"`` (its own gradients of
+    the first step, before averaging) and ``"collectives"`` (``CommDebugMode``'s counts of
+    that averaging, by op name such as ``"allreduce_"``).
+    """
+    import torch
+
+    ranks = _reported(job)
+    for rank, got in sorted(ranks.items()):
+        if "collectives" not in got or "local" not in got:
+            raise CheckFailed(f"rank {rank} did not report 'local' and 'collectives': run the worker as given, "
+                              "with only average_gradients_flat changed.")
+        kept = [name for name in got["grads"] if torch.equal(got["grads"][name], got["local"][name])]
+        if not kept:
+            continue
+        if not sum(got["collectives"].values()):
+            raise CheckFailed(
+                f"average_gradients_flat made no collective: rank {rank}'s gradients are its own batch's. "
+                "Pack every .grad into one buffer, dist.all_reduce it, divide by the world size and copy "
+                "the slices back into the .grads.")
+        if len(kept) == len(got["grads"]):
+            raise CheckFailed(
+                f"the averaged buffer was never copied back into .grad: after your call rank {rank}'s "
+                f"gradients are exactly its own batch's, although it made {_describe(got['collectives'])}. "
+                "torch.cat (like flatten of several tensors) makes a new tensor, a copy; the all-reduce changed "
+                "that copy only. Write each slice back in place (p.grad.copy_(...)); assigning it to a loop "
+                "variable (g = flat[...]) changes nothing.")
+        raise CheckFailed(f"only some gradients were copied back from the flat buffer: rank {rank}'s "
+                          f"{', '.join(kept)} still hold its own batch's gradient. Copy every parameter's slice.")
+    zero = ranks[min(ranks)]
+    misplaced = _misplaced_slice(zero["grads"], reference["grads"], rtol, atol)
+    if misplaced:
+        name, at, own = misplaced
+        raise CheckFailed(
+            f"the slices are misaligned: {name}.grad holds the buffer's values from position {at}, but "
+            f"{name}'s own gradient starts at {own}. Advance the offset by p.grad.numel() after each "
+            "parameter, and unpack in the same order as you packed.")
+    _compare_training(ranks, reference, rtol, atol)
+    counts = {rank: got["collectives"] for rank, got in ranks.items()}
+    for rank, count in sorted(counts.items()):
+        reduces, total = count.get("allreduce_", 0), sum(count.values())
+        if reduces > 1:
+            raise CheckFailed(
+                f"the gradients are right, but with {reduces} all-reduces in one step on rank {rank} (one per "
+                f"parameter? the model has {len(zero['grads'])}): flatten into one buffer and all-reduce it "
+                "once. Each collective pays its start-up latency however small its tensor; that is why DDP "
+                "packs the gradients into buckets.")
+        if total != 1:
+            raise CheckFailed(f"the gradients are right, but rank {rank} made {_describe(count)} in one step: "
+                              "one all-reduce (SUM) of one flat buffer is all it takes.")
+    passed(f"{len(ranks)} ranks trained exactly like one process with the whole batch, averaging "
+           f"{len(zero['grads'])} gradients with one all-reduce per step")
+
+
+def _describe(counts: dict) -> str:
+    return ", ".join(f"{n} {op.rstrip('_')}" for op, n in counts.items() if n) or "no collective"
+
+
+def _reported(job) -> dict:
+    """The ranks' reports, after a blank exercise or a failed rank has been named."""
+    results = getattr(job, "results", job)
+    output = "\n".join(line for lines in getattr(job, "output", {}).values() for line in lines)
+    if "NotImplementedError" in output:
+        raise CheckFailed("average_gradients_flat is not written yet: a rank stopped at `raise "
+                          "NotImplementedError`. Replace that line with your code and run the worker again.")
+    if getattr(job, "timed_out", False):
+        raise CheckFailed(f"the workers timed out after {job.seconds:.0f} s: a rank waited in a collective "
+                          "that another rank never entered (every rank must call all_reduce as often).")
+    nproc = getattr(job, "nproc", len(results))
+    failed = {rank: code for rank, code in getattr(job, "returncodes", {}).items() if code}
+    if failed or len(results) < nproc:
+        rank = min(failed) if failed else min(set(range(nproc)) - set(results))
+        errors = [line.strip() for line in getattr(job, "output", {}).get(rank, [])
+                  if re.match(r"\s*[\w.]*(Error|Exception)\b", line)]
+        raise CheckFailed(f"rank {rank} failed before it reported (exit code {failed.get(rank)}): "
+                          f"{errors[-1] if errors else 'see its output above'}. Fix that error first.")
+    return results
+
+
+def _misplaced_slice(grads: dict, expected: dict, rtol: float, atol: float):
+    """(name, position, own position) when a gradient holds another part of the flat buffer."""
+    import torch
+
+    flat = torch.cat([torch.as_tensor(expected[name]).flatten() for name in grads])
+    starts, at = {}, 0
+    for name, value in grads.items():
+        starts[name], at = at, at + value.numel()
+    for name, value in grads.items():
+        n = value.numel()
+        if close(value.flatten(), flat[starts[name]:starts[name] + n], rtol, atol):
+            continue
+        for start in sorted(set(starts.values())):
+            if start != starts[name] and start + n <= len(flat) and close(
+                    value.flatten(), flat[start:start + n], rtol, atol):
+                return name, start, starts[name]
+    return None
+
+
+def _compare_training(ranks: dict, reference: dict, rtol: float, atol: float) -> None:
+    """Raise CheckFailed naming the first way ``ranks`` did not train like ``reference``."""
     world_size = len(ranks)
     zero = ranks[min(ranks)]
     for rank, got in sorted(ranks.items()):
@@ -42,8 +154,8 @@ def check_data_parallel(ranks: dict, reference: dict, rtol: float = 1e-4, atol: 
     if not _same_names_all_close(grads, expected, rtol, atol):
         if world_size > 1 and _same_names_all_close(grads, expected, rtol, atol, factor=world_size):
             raise CheckFailed(
-                f"the gradients were summed but not averaged: they are {world_size} (the world size) times "
-                "the single-process gradient. all_reduce with ReduceOp.SUM adds the ranks' gradients; divide "
+                f"the gradients were summed but not averaged: they are {world_size} times too big ({world_size} "
+                "is the world size). all_reduce with ReduceOp.SUM adds the ranks' gradients; divide "
                 "by dist.get_world_size() afterwards to get the mean over the whole batch.")
         if world_size > 1 and _same_names_all_close(grads, expected, rtol, atol, factor=1 / world_size):
             raise CheckFailed(
@@ -59,8 +171,6 @@ def check_data_parallel(ranks: dict, reference: dict, rtol: float = 1e-4, atol: 
                 f"the first step is right, but after training rank {rank}'s {name} differs from the "
                 f"single-process model by {diff:.3g}: average the gradients in EVERY step, after "
                 "loss.backward() and before optimizer.step() (and zero them before each backward).")
-    passed(f"{world_size} ranks trained exactly like one process with the whole batch "
-           "(same start, averaged gradients, same final weights)")
 
 
 def _largest_magnitude(tensors: dict) -> float:
