@@ -1,129 +1,138 @@
-"""Chapter 05: check_parallel_linear passes right answers and names the likely mistake."""
+"""Chapter 05, exercise 1: check_vocab_parallel_embedding passes the solution's layer and
+names each classic mistake.
 
+Every mistake is planted in a copy of the solution's vocab_parallel.py (a solution region
+replaced), written next to the exercise's own check_embedding.py and run on 2 ranks: one
+launch per mistake, 3-5 seconds each. The reference is the solution notebook's own
+``unsharded_reference``. A few cases that need no launch use reported results made here.
+"""
+
+import re
+import textwrap
+from pathlib import Path
+
+import nbformat
 import pytest
 import torch
 import torch.nn as nn
 
-from spike_course import checks
+import spike_course
+from spike_course import exercises, workers
+from spike_course.checks import CheckFailed, check_vocab_parallel_embedding
+
+ROOT = Path(__file__).resolve().parents[1]
+STEM = "05_tensor_parallel"
+NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
+CHECK_SCRIPT = workers.worker_cells(NOTEBOOK)[f"{STEM}/check_embedding.py"]
+LAYER = next(c.source for c in NOTEBOOK.cells
+             if c.source.startswith(f"%%writefile workers/{STEM}/vocab_parallel.py")).split("\n", 1)[1]
+REGION = re.compile(r"( *)### BEGIN SOLUTION\n.*?### END SOLUTION(?:\n|$)", re.S)
+_namespace = {"torch": torch, "nn": nn}
+exec(next(c.source for c in NOTEBOOK.cells if c.source.startswith("def unsharded_reference")), _namespace)
+unsharded_reference = _namespace["unsharded_reference"]
+
+# the solution's forward region, dedented, without its marker lines
+FORWARD = textwrap.dedent("".join(list(REGION.finditer(LAYER))[1].group(0).splitlines(True)[1:-1]))
 
 
-def reference():
-    torch.manual_seed(0)
-    linear = nn.Linear(8, 12)
-    x = torch.randn(3, 5, 8, requires_grad=True)
-    grad_out = torch.randn(3, 5, 12)
-    y = linear(x)
-    y.backward(grad_out)
-    return {"y": y.detach(), "grad_x": x.grad, "weight": linear.weight.detach(),
-            "bias": linear.bias.detach(), "grad_weight": linear.weight.grad,
-            "grad_bias": linear.bias.grad, "grad_out": grad_out}
+def forward_with(old, new):
+    """The solution's forward region with ``old`` replaced by ``new``."""
+    assert old in FORWARD, f"the solution's forward no longer contains {old!r}: update this test"
+    return FORWARD.replace(old, new, 1)
 
 
-def right_answers(ref, kind, n):
-    """What n ranks of a correct layer report."""
-    dim = 0 if kind == "column" else 1
-    results = {}
-    for r in range(n):
-        results[r] = {kind: {
-            "y": ref["y"].clone(),
-            "grad_x": ref["grad_x"].clone() if kind == "column" else ref["grad_x"].chunk(n, -1)[r].clone(),
-            "weight": ref["weight"].chunk(n, dim)[r].clone(),
-            "grad_weight": ref["grad_weight"].chunk(n, dim)[r].clone(),
-            "bias": ref["bias"].chunk(n)[r].clone() if kind == "column" else ref["bias"].clone(),
-            "grad_bias": ref["grad_bias"].chunk(n)[r].clone() if kind == "column" else ref["grad_bias"].clone(),
-        }}
-    return results
+def plant(init=None, forward=None):
+    """The solution's file with its __init__ and/or forward region replaced (None: kept)."""
+    regions = iter([init, forward])
+
+    def replace(match):
+        new = next(regions)
+        return match.group(0) if new is None else textwrap.indent(new, match.group(1))
+
+    planted, count = REGION.subn(replace, LAYER)
+    assert count == 2, "the solution's vocab_parallel.py no longer has 2 solution regions: update this test"
+    return planted
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
-@pytest.mark.parametrize("kind", ["column", "row"])
-def test_right_answers_pass(kind, n, capsys):
-    ref = reference()
-    checks.check_parallel_linear(kind, right_answers(ref, kind, n), ref)
+MISTAKES = {
+    "blank": (None, r"VocabParallelEmbedding.__init__ still raises NotImplementedError"),
+    "not_zeroed": (dict(forward=forward_with(".masked_fill(outside.unsqueeze(-1), 0.0)", "")),
+                   r"its row 0.*the tokens outside \[start, end\) were not zeroed"),
+    "not_shifted": (dict(forward=forward_with("(tokens - self.start)", "tokens")),
+                    r"rank 1 looked up a row its slice does not have \(IndexError.*not shifted by start"),
+    "sliced_along_embedding_dim": (dict(init="""\
+self.weight = nn.Parameter(embedding.weight.detach().chunk(world, dim=1)[rank].clone())
+self.start = rank * embedding.num_embeddings // world
+self.end = self.start + embedding.num_embeddings // world
+"""), r"rank 0 holds a table of shape \(16, 4\), expected \(8, 8\).*EMBEDDING DIMENSION"),
+    "not_summed": (dict(forward=forward_with("return ReduceFromParallel.apply(partial, self.group)",
+                                               "return partial")),
+                   r"only the vectors of its own tokens.*the all-reduce is\s+missing"),
+    "plain_all_reduce": (dict(forward=forward_with(
+        "return ReduceFromParallel.apply(partial, self.group)",
+        "dist.all_reduce(partial, group=self.group)\nreturn partial")),
+        r"plain dist.all_reduce on a tensor autograd tracks.*ReduceFromParallel"),
+    "differentiable_all_reduce": (dict(forward=forward_with(
+        "return ReduceFromParallel.apply(partial, self.group)",
+        "from torch.distributed.nn.functional import all_reduce\nreturn all_reduce(partial)")),
+        r"world_size = 2 times too big.*identity"),
+}
+
+
+def run(worker, layer_source):
+    """Launch the exercise's check script on 2 ranks next to ``layer_source``; the reference."""
+    worker(layer_source, "vocab_parallel.py")
+    result = spike_course.launch(worker(CHECK_SCRIPT, "check_embedding.py"), nproc=2, echo=False,
+                                 progress=False, timeout=120, check=False)
+    return result, unsharded_reference(result.results[0]["problem"])
+
+
+def test_the_solution_passes(worker, no_orphans, capsys):
+    result, reference = run(worker, LAYER)
+    assert result.ok
+    check_vocab_parallel_embedding(result.results, reference)
     assert "check passed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("reshaped", [False, True])
-def test_all_gather_concatenated_on_the_batch_dim(n, reshaped):
-    ref = reference()
-    results = right_answers(ref, "column", n)
-    glued = torch.cat(ref["y"].chunk(n, dim=-1), dim=0)
-    for r in results:
-        results[r]["column"]["y"] = glued.reshape(ref["y"].shape) if reshaped else glued
-    with pytest.raises(checks.CheckFailed, match=r"concatenated along dim 0.*dim=-1"):
-        checks.check_parallel_linear("column", results, ref)
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
+    regions, message = MISTAKES[mistake]
+    source = exercises.blank_source(LAYER) if regions is None else plant(**regions)
+    result, reference = run(worker, source)
+    with pytest.raises(CheckFailed, match=message):
+        check_vocab_parallel_embedding(result.results, reference)
 
 
-def test_all_gather_concatenated_on_the_sequence_dim():
-    ref = reference()
-    results = right_answers(ref, "column", 2)
-    for r in results:
-        results[r]["column"]["y"] = torch.cat(ref["y"].chunk(2, dim=-1), dim=1)
-    with pytest.raises(checks.CheckFailed, match="concatenated along dim 1"):
-        checks.check_parallel_linear("column", results, ref)
+# --- without a launch: what ranks of a right layer report, changed by hand ---
+
+def reported(n):
+    """A problem like check_embedding.py's and what n ranks of a right layer report."""
+    torch.manual_seed(0)
+    weight = torch.randn(16, 8)
+    tokens = torch.cat([torch.randperm(16), torch.randperm(16)[:8]]).view(3, 8)
+    reference = unsharded_reference({"weight": weight, "tokens": tokens, "grad_out": torch.randn(3, 8, 8)})
+    results = {r: {"world": n, "weight": weight.chunk(n)[r].clone(), "y": reference["y"].clone(),
+                   "grad_weight": reference["grad_weight"].chunk(n)[r].clone(), "warnings": []}
+               for r in range(n)}
+    return results, reference
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_bias_added_on_every_rank(n):
-    ref = reference()
-    results = right_answers(ref, "row", n)
-    for r in results:
-        results[r]["row"]["y"] = ref["y"] + (n - 1) * ref["bias"]
-    with pytest.raises(checks.CheckFailed, match=rf"bias {n} times.*once, after the all-reduce"):
-        checks.check_parallel_linear("row", results, ref)
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_right_answers_pass(n, capsys):
+    check_vocab_parallel_embedding(*reported(n))
+    assert f"on {n} ranks" in capsys.readouterr().out
 
 
-def test_row_outputs_never_all_reduced():
-    ref = reference()
-    results = right_answers(ref, "row", 2)
-    results[0]["row"]["y"] = ref["y"] * 0.3
-    with pytest.raises(checks.CheckFailed, match="partial sum"):
-        checks.check_parallel_linear("row", results, ref)
+def test_a_gradient_that_never_reaches_the_table_is_named():
+    """dist.all_reduce on a detached copy: right output, no gradient at all."""
+    results, reference = reported(4)
+    results[2]["grad_weight"] = None
+    with pytest.raises(CheckFailed, match="rank 2's table got no gradient.*detached copy"):
+        check_vocab_parallel_embedding(results, reference)
 
 
-def test_column_input_gradient_not_all_reduced():
-    ref = reference()
-    n = 2
-    results = right_answers(ref, "column", n)
-    for r in results:
-        g_r = ref["grad_out"].chunk(n, dim=-1)[r]
-        results[r]["column"]["grad_x"] = g_r @ ref["weight"].chunk(n, dim=0)[r]
-    with pytest.raises(checks.CheckFailed, match="only its own share.*all-reduce"):
-        checks.check_parallel_linear("column", results, ref)
-
-
-def test_row_backward_all_reduces_again():
-    ref = reference()
-    n = 4
-    results = right_answers(ref, "row", n)
-    for r in results:
-        results[r]["row"]["grad_x"] = n * results[r]["row"]["grad_x"]
-        results[r]["row"]["grad_weight"] = n * results[r]["row"]["grad_weight"]
-    with pytest.raises(checks.CheckFailed, match="world_size times too big.*identity"):
-        checks.check_parallel_linear("row", results, ref)
-
-
-def test_collective_outside_autograd_leaves_no_gradient():
-    ref = reference()
-    results = right_answers(ref, "column", 2)
-    results[1]["column"]["grad_weight"] = None
-    with pytest.raises(checks.CheckFailed, match="autograd.Function"):
-        checks.check_parallel_linear("column", results, ref)
-
-
-def test_weight_split_along_the_wrong_dim():
-    ref = reference()
-    results = right_answers(ref, "column", 2)
-    for r in results:
-        results[r]["column"]["weight"] = ref["weight"].chunk(2, dim=1)[r]
-    with pytest.raises(checks.CheckFailed, match="splits weight along dim 0"):
-        checks.check_parallel_linear("column", results, ref)
-
-
-def test_a_missing_rank_is_reported():
-    ref = reference()
-    results = right_answers(ref, "row", 2)
-    del results[1]["row"]
-    with pytest.raises(checks.CheckFailed, match="every rank"):
-        checks.check_parallel_linear("row", results, ref)
+def test_a_rank_that_reported_nothing_is_named():
+    results, reference = reported(2)
+    del results[1]
+    with pytest.raises(CheckFailed, match=r"ranks \[1\] of 2 reported nothing"):
+        check_vocab_parallel_embedding(results, reference)

@@ -21,7 +21,7 @@ from .message_passing import check_tree_allreduce, check_exchange
 from .pipeline import check_pipeline_gradients
 from .pipeline_training import check_pipeline_training
 from .sampling import check_sampler
-from .tensor_parallel import check_parallel_linear, check_tp_plan
+from .tensor_parallel import check_tp_plan, check_vocab_parallel_embedding
 from .zero import check_fsdp2_checkpoint, check_zero1
 from .capstone import check_capstone_job, check_capstone_submit
 from .profiling import check_exposed_share, check_hang_diagnosis

@@ -1,131 +1,154 @@
-"""Exercise checks for chapter 05: tensor parallel (column- and row-parallel linear layers)."""
+"""Exercise checks for chapter 05: tensor parallel (a vocabulary-parallel embedding, and a
+parallelize_module plan for the whole TinyTransformer)."""
 
 from __future__ import annotations
 
 from ._common import CheckFailed, passed
 
 
-_LAYER_KINDS = ("column", "row")
-
-
 def _gap(actual, expected) -> str:
     return f"largest difference {(actual.double() - expected.double()).abs().max().item():.3g}"
 
 
-def check_parallel_linear(kind: str, results: dict, reference: dict,
-                          rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    """Check a column- or row-parallel linear layer against the unsharded nn.Linear.
+# The words an out-of-range lookup raises with: IndexError on the CPU, a device-side assert
+# on a GPU.
+_INDEX_ERRORS = ("IndexError", "index out of range", "out of bounds", "device-side assert")
+# What torch warns when backward runs through a dist.* call autograd has no formula for.
+_UNSEEN_COLLECTIVE = "autograd kernel was not registered"
 
-    ``results``: ``launch(...).results``, rank -> dict whose ``results[rank][kind]`` holds
-    what that rank's layer gave: ``y`` (the output), ``grad_x`` (gradient of its input:
-    the whole input for "column", its slice of the input features for "row"),
-    ``weight``/``grad_weight`` and ``bias``/``grad_bias`` (its local parameters).
-    ``reference``: ``y``, ``grad_x``, ``weight``, ``bias``, ``grad_weight``, ``grad_bias``
-    of the plain nn.Linear, computed on one process with the same numbers.
+
+def check_vocab_parallel_embedding(results: dict, reference: dict) -> None:
+    """Check a vocabulary-parallel embedding against the unsharded nn.Embedding.
+
+    ``results``: ``launch(...).results`` of check_embedding.py, rank -> dict with ``world``
+    and, as far as the layer got: ``weight`` (its slice of the table), ``y`` (its output),
+    ``grad_weight`` (the gradient of its slice), ``warnings``, or ``error`` and ``where``
+    (the method of the layer that raised). ``reference``: ``tokens``, ``y``, ``weight`` and
+    ``grad_weight`` of the plain nn.Embedding, computed on one process with the same numbers.
+
+    Right answers must match exactly, not within a tolerance: every output row is one row of
+    the table plus zeros from the other ranks, and every gradient row sums at most two upstream
+    rows (no token occurs three times); x + 0 and a + b are exact in floating point, in any
+    order. The named mistakes are matched within float32 rounding, since they sum rows.
     """
     import torch
 
-    if kind not in _LAYER_KINDS:
-        raise ValueError(f"kind must be one of {_LAYER_KINDS}, got {kind!r}")
-    ranks = sorted(results)
-    n = len(ranks)
-    if ranks != list(range(n)) or any(kind not in results[r] for r in ranks):
-        raise CheckFailed(f"expected a {kind!r} entry from every rank 0..{n - 1}; got ranks {ranks}. "
-                          "Did every rank run the check script to the end?")
-    ref = {k: v.detach().double() for k, v in reference.items()}
-    same = lambda a, b: a.shape == b.shape and torch.allclose(a.double(), b, rtol=rtol, atol=atol)  # noqa: E731
-    name = f"{kind}-parallel linear on {n} ranks"
-    shard_dim = 0 if kind == "column" else 1
+    ref = {k: v.detach() for k, v in reference.items()}
+    tokens, table = ref["tokens"], ref["weight"].double()
+    worlds = {got["world"] for got in results.values() if "world" in got}
+    if len(worlds) != 1:
+        raise CheckFailed(f"no rank reported its world size (got ranks {sorted(results)}): "
+                          "did check_embedding.py start? See the output above.")
+    n = worlds.pop()
+    missing = [r for r in range(n) if r not in results]
+    if missing:
+        raise CheckFailed(f"ranks {missing} of {n} reported nothing: they failed before the layer "
+                          "ran (see their output above).")
+    name = f"vocabulary-parallel embedding on {n} ranks"
+    vocab, dim = table.shape
+    rows = vocab // n
+    same = lambda a, b: a.shape == b.shape and torch.equal(a.double(), b.double())  # noqa: E731
+    near = lambda a, b: a.shape == b.shape and torch.allclose(a.double(), b.double(),  # noqa: E731
+                                                              rtol=1e-5, atol=1e-6)
 
-    for r in ranks:
-        got = results[r][kind]
-        y = got.get("y")
+    errors = {r: results[r]["error"] for r in range(n) if results[r].get("error")}
+    for r, error in errors.items():
+        if error.startswith("NotImplementedError"):
+            where = results[r].get("where") or "__init__ or forward"
+            raise CheckFailed(f"{name}: VocabParallelEmbedding.{where} still raises NotImplementedError "
+                              f"(rank {r}): write it.")
+
+    for r in range(n):  # the slice of the table, as far as __init__ got
+        weight = results[r].get("weight")
+        if weight is None:
+            continue
+        expected = table[r * rows:(r + 1) * rows]
+        if weight.shape != expected.shape:
+            hint = (" It is a slice of the EMBEDDING DIMENSION (the columns), ColwiseParallel's split: "
+                    "the vocabulary is the rows, dim 0." if weight.shape == (vocab, dim // n) else "")
+            raise CheckFailed(f"{name}: rank {r} holds a table of shape {tuple(weight.shape)}, expected "
+                              f"{tuple(expected.shape)}: its slice of the vocabulary, rows {r * rows} to "
+                              f"{(r + 1) * rows - 1} of embedding.weight (vocab_size, dim) = {(vocab, dim)}, "
+                              f"chunk(world_size, dim=0)[rank].{hint}")
+        if not same(weight, expected):
+            raise CheckFailed(f"{name}: rank {r}'s table has the right shape but not rows {r * rows} to "
+                              f"{(r + 1) * rows - 1} of embedding.weight: take chunk(world_size, dim=0)[rank].")
+
+    if errors:  # the first cause, not a rank that failed because another one stopped
+        r, error = next(((r, e) for r, e in errors.items() if any(w in e for w in _INDEX_ERRORS)),
+                        next(iter(errors.items())))
+        where = results[r].get("where")
+        if any(w in error for w in _INDEX_ERRORS):
+            raise CheckFailed(
+                f"{name}: rank {r} looked up a row its slice does not have ({error}). Its table holds "
+                f"{rows} rows, token ids {r * rows} to {(r + 1) * rows - 1}, as rows 0 to {rows - 1}: "
+                "the tokens were not shifted by start (subtract self.start before the lookup), or a "
+                "token outside [start, end) was looked up as it is (give those any valid row first, "
+                "then zero their vectors). Rank 0 gets away with a missing shift: its start is 0.")
+        raise CheckFailed(f"{name}: rank {r} raised {error}"
+                          + (f" in VocabParallelEmbedding.{where}" if where else "") + " (see its traceback above).")
+
+    inside = [(tokens >= r * rows) & (tokens < (r + 1) * rows) for r in range(n)]
+    own = [torch.where(inside[r].unsqueeze(-1), table[tokens], 0.0) for r in range(n)]
+    for r in range(n):
+        y = results[r].get("y")
         if y is None:
-            raise CheckFailed(f"{name}: rank {r} reported no output.")
-        y = y.double()
-        if not same(y, ref["y"]):
-            _explain_output(name, kind, r, n, y, ref, same)
-
-    for r in ranks:
-        got = results[r][kind]
-        for key in ("grad_x", "grad_weight") + (("grad_bias",) if ref.get("bias") is not None else ()):
-            if got.get(key) is None:
-                raise CheckFailed(
-                    f"{name}: rank {r} has no {key}: the gradient never reached it. A dist.* call "
-                    "on a tensor is invisible to autograd (all_gather fills fresh tensors that have no "
-                    "history): put each collective in a torch.autograd.Function with its backward.")
-        w_expected = ref["weight"].chunk(n, dim=shard_dim)[r]
-        if not same(got["weight"], w_expected):
+            raise CheckFailed(f"{name}: rank {r} reported no output: did forward return one?")
+        if same(y, ref["y"]):
+            continue
+        if y.shape != ref["y"].shape:
+            raise CheckFailed(f"{name}: rank {r}'s output has shape {tuple(y.shape)}, expected "
+                              f"{tuple(ref['y'].shape)} (the tokens' shape, then the embedding dimension).")
+        if n > 1 and near(y, own[r]):
             raise CheckFailed(
-                f"{name}: rank {r} holds a weight of shape {tuple(got['weight'].shape)}, expected its "
-                f"slice {tuple(w_expected.shape)} of nn.Linear.weight (out, in) = {tuple(ref['weight'].shape)}. "
-                f"{kind.capitalize()} parallel splits weight along dim {shard_dim} "
-                f"({'its rows: the output features' if kind == 'column' else 'its columns: the input features'}); "
-                "take chunk(world_size, dim)[rank].")
-
-        gx = got["grad_x"].double()
-        if kind == "column":
-            gx_expected = ref["grad_x"]
-            share = sum(results[q][kind]["grad_x"].double() for q in ranks)
-            if n > 1 and not same(gx, gx_expected) and same(share, gx_expected):
-                raise CheckFailed(
-                    f"{name}: rank {r}'s input gradient is only its own share: each rank's weight slice "
-                    "gives part of dL/dx, and the parts must be summed. The copy of x into the parallel "
-                    "region needs backward = all-reduce of the gradient (forward = identity).")
-        else:
-            gx_expected = ref["grad_x"].chunk(n, dim=-1)[r]
-        if not same(gx, gx_expected):
-            hint = (" It is exactly world_size times too big: the backward of the forward all-reduce "
-                    "must pass the gradient through unchanged (identity), not all-reduce it again."
-                    if n > 1 and same(gx, n * gx_expected) else "")
-            raise CheckFailed(f"{name}: rank {r}'s input gradient is wrong ({_gap(gx, gx_expected)}).{hint}")
-
-        gw, gw_expected = got["grad_weight"].double(), ref["grad_weight"].chunk(n, dim=shard_dim)[r]
-        if not same(gw, gw_expected):
-            hint = (" It is exactly world_size times too big: a backward all-reduces a gradient that "
-                    "every rank already holds in full." if n > 1 and same(gw, n * gw_expected) else "")
-            raise CheckFailed(f"{name}: rank {r}'s weight gradient is wrong ({_gap(gw, gw_expected)}).{hint}")
-        if ref.get("bias") is not None:
-            gb = got["grad_bias"].double()
-            gb_expected = ref["grad_bias"].chunk(n)[r] if kind == "column" else ref["grad_bias"]
-            if not same(gb, gb_expected):
-                raise CheckFailed(f"{name}: rank {r}'s bias gradient is wrong ({_gap(gb, gb_expected)}); "
-                                  + ("each rank owns the bias of its output features: chunk the bias like "
-                                     "the weight's rows." if kind == "column" else
-                                     "every rank holds the whole bias, added once after the all-reduce."))
-    passed(f"{name}: output and every gradient match nn.Linear")
-
-
-def _explain_output(name, kind, r, n, y, ref, same):
-    """Raise CheckFailed naming the most likely reason why rank r's output is wrong."""
-    import torch
-
-    y_ref = ref["y"]
-    chunks = y_ref.chunk(n, dim=-1)
-    for dim in range(y_ref.ndim - 1):  # the shards glued along a wrong dimension
-        glued = torch.cat(chunks, dim=dim)
-        if same(y, glued) or (y.shape == y_ref.shape and same(y, glued.reshape(y_ref.shape))):
+                f"{name}: rank {r}'s output holds only the vectors of its own tokens "
+                f"(ids {r * rows} to {(r + 1) * rows - 1}), zeros for the others: the all-reduce is "
+                "missing. Sum the partial results over the ranks with ReduceFromParallel.apply(partial, "
+                "self.group).")
+        local = lambda r, t: table[r * rows:(r + 1) * rows][t]  # noqa: E731 - row t of rank r's slice
+        row_zero = sum(torch.where(inside[q].unsqueeze(-1), table[tokens], local(q, 0)) for q in range(n))
+        clamped = sum(local(q, (tokens - q * rows).clamp(0, rows - 1)) for q in range(n))
+        if near(y, row_zero) or near(y, clamped):
             raise CheckFailed(
-                f"{name}: rank {r}'s output has the {n} shards concatenated along dim {dim} "
-                f"(shape {tuple(glued.shape)}"
-                + (", then reshaped" if y.shape == y_ref.shape else "") +
-                "). Each shard holds some OUTPUT FEATURES of every row, so the all-gathered pieces "
-                "go side by side along the last dim: torch.cat(pieces, dim=-1).")
-    bias = ref.get("bias")
-    if kind == "row" and bias is not None and n > 1:
-        if same(y, y_ref + (n - 1) * bias):
+                f"{name}: rank {r}'s output is each token's vector plus, from every rank that does not "
+                f"own it, the row that rank looked it up as ({'its row 0' if near(y, row_zero) else 'a clamped row'}): "
+                "the tokens outside [start, end) were not zeroed. Zero their vectors (a mask) before "
+                "the sum.")
+        raise CheckFailed(f"{name}: rank {r}'s output differs from nn.Embedding's ({_gap(y, ref['y'])}): "
+                          "check which row each token is looked up as (global id - start) and that "
+                          "the others are zeroed.")
+
+    for r in range(n):
+        unseen = [w for w in results[r].get("warnings", []) if _UNSEEN_COLLECTIVE in w]
+        if unseen:
             raise CheckFailed(
-                f"{name}: rank {r}'s output has the bias {n} times: every rank added it before the "
-                "all-reduce, which sums the copies. Add the bias once, after the all-reduce.")
-        if same(y, y_ref - bias):
-            raise CheckFailed(f"{name}: the bias is missing from rank {r}'s output: add it after the all-reduce.")
-    if y.shape != y_ref.shape:
-        raise CheckFailed(f"{name}: rank {r}'s output has shape {tuple(y.shape)}, expected {tuple(y_ref.shape)}"
-                          + (": the shards were never gathered." if y.shape[-1] * n == y_ref.shape[-1] else "."))
-    if kind == "row" and n > 1:
-        raise CheckFailed(f"{name}: rank {r}'s output is wrong ({_gap(y, y_ref)}). Each rank's product "
-                          "is a partial sum over its input features: all-reduce (sum) it, then add the bias.")
-    raise CheckFailed(f"{name}: rank {r}'s output is wrong ({_gap(y, y_ref)}).")
+                f"{name}: rank {r} sums with a plain dist.all_reduce on a tensor autograd tracks; torch "
+                f"warned: {unseen[0][:120]!r}... A dist.* call is invisible to autograd: here the "
+                "gradient silently passes through unchanged, right for this sum by luck, and torch "
+                "deprecates even that (a future release detaches the output: no gradient would reach "
+                "the table); the same call elsewhere gives wrong gradients. Use "
+                "ReduceFromParallel.apply(partial, self.group).")
+
+    for r in range(n):
+        grad, expected = results[r].get("grad_weight"), ref["grad_weight"][r * rows:(r + 1) * rows]
+        if grad is None:
+            raise CheckFailed(
+                f"{name}: rank {r}'s table got no gradient: backward never reached it. A dist.all_reduce "
+                "on a detached copy (or under no_grad) cuts the graph: sum the partial results with "
+                "ReduceFromParallel.apply(partial, self.group), whose backward passes the gradient on.")
+        if same(grad, expected):
+            continue
+        if n > 1 and near(grad, n * expected):
+            raise CheckFailed(
+                f"{name}: rank {r}'s table gradient is exactly world_size = {n} times too big: the "
+                "backward of the sum all-reduces the gradient again (torch.distributed.nn.functional."
+                "all_reduce does). Every rank already holds the whole gradient of the sum: its backward "
+                "is the identity, as in ReduceFromParallel.")
+        raise CheckFailed(f"{name}: rank {r}'s table gradient is wrong ({_gap(grad, expected)}); each row "
+                          "must get the upstream gradients of the tokens it owns (summed when a token "
+                          "repeats) and nothing from the others.")
+    passed(f"{name}: every rank holds its {rows} rows of the table, returns nn.Embedding's output "
+           "and gets its rows of the table's gradient, exactly")
 
 
 # --- exercise 2: a parallelize_module plan for the whole TinyTransformer ---------------
