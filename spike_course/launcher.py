@@ -11,7 +11,7 @@ Two ways to start the ranks:
 
 Either way the output of every rank streams into the cell, one whole line at a time,
 tagged with its rank; whatever a rank passes to ``spike_course.runtime.report`` comes
-back in ``result.results[rank]``; and no child process outlives the call: a failing
+back in ``result.reports[rank]``; and no child process outlives the call: a failing
 rank, a timeout or an interrupted cell stops the whole process tree.
 """
 
@@ -64,14 +64,14 @@ class LaunchError(RuntimeError):
 
 @dataclass
 class LaunchResult:
-    """What a launch gave back. ``results[r]`` is what rank r reported, ``output[r]`` the
+    """What a launch gave back. ``reports[r]`` is what rank r reported, ``output[r]`` the
     lines it printed, ``returncodes[r]`` its exit code: every dict is keyed by rank. Under
     ``launcher="torchrun"`` the agent's own lines (rendezvous, restarts, its failure
     summary) are ``agent_output`` and its exit code ``agent_returncode``."""
 
     nproc: int
     returncodes: dict = field(default_factory=dict)
-    results: dict = field(default_factory=dict)
+    reports: dict = field(default_factory=dict)
     output: dict = field(default_factory=dict)
     seconds: float = 0.0
     timed_out: bool = False
@@ -86,7 +86,7 @@ class LaunchResult:
 
     def __repr__(self) -> str:
         state = "ok" if self.ok else "FAILED"
-        return f"<LaunchResult {state}: {self.nproc} ranks in {self.seconds:.1f} s, results from ranks {sorted(self.results)}>"
+        return f"<LaunchResult {state}: {self.nproc} ranks in {self.seconds:.1f} s, reports from ranks {sorted(self.reports)}>"
 
 
 def free_port() -> int:
@@ -155,7 +155,7 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "spawn", timeout:
         # Whatever happened (done, failed rank, timeout, KeyboardInterrupt), nothing survives.
         stop_process_tree(list(processes.values()))
         result.seconds = time.perf_counter() - started
-        result.results = read_results(results_dir)
+        result.reports = read_results(results_dir)
         view.close()
         shutil.rmtree(results_dir, ignore_errors=True)
 

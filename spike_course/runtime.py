@@ -155,7 +155,7 @@ def seed_everything(seed: int) -> None:
 
 
 def report(**values) -> None:
-    """Send values back to the notebook: they appear in ``launch(...).results[rank]``.
+    """Send values back to the notebook: they appear in ``launch(...).reports[rank]``.
 
     Call it as often as you like; later keys update earlier ones. Tensors are moved to
     the CPU first. Under a plain torchrun (no notebook listening) it does nothing.

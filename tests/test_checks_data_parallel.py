@@ -204,7 +204,7 @@ def one_process():
 
 def test_the_solution_passes_with_one_allreduce(worker, no_orphans, one_process, capsys):
     job = spike_course.launch(worker(_solution_worker()), nproc=2, echo=False, progress=False, timeout=120)
-    assert [job.results[r]["collectives"] for r in range(2)] == [{"allreduce_": 1}] * 2
+    assert [job.reports[r]["collectives"] for r in range(2)] == [{"allreduce_": 1}] * 2
     checks.check_flat_allreduce(job, one_process)
     assert "one all-reduce per step" in capsys.readouterr().out
 
@@ -228,7 +228,7 @@ def test_a_blank_or_crashed_worker_is_named():
             'NotImplementedError: exercise: replace this line with your code'], 1: []})
     with pytest.raises(CheckFailed, match="not written yet"):
         checks.check_flat_allreduce(blank, {})
-    crashed = LaunchResult(nproc=2, returncodes={0: 0, 1: 1}, results={0: {}}, output={
+    crashed = LaunchResult(nproc=2, returncodes={0: 0, 1: 1}, reports={0: {}}, output={
         0: [], 1: ["RuntimeError: shape '[32]' is invalid for input of size 288"]})
     with pytest.raises(CheckFailed, match="rank 1 failed .*shape"):
         checks.check_flat_allreduce(crashed, {})

@@ -69,7 +69,7 @@ def test_one_allreduce_per_tensor_is_named(worker, no_orphans):
     begin, end = solution.index("    ### BEGIN SOLUTION\n"), solution.index("    ### END SOLUTION\n")
     planted = solution[:begin] + PER_TENSOR + solution[end + len("    ### END SOLUTION\n"):]
     result = spike_course.launch(worker(planted), nproc=2, echo=False, progress=False, timeout=120)
-    ranks = [result.results[r] for r in range(2)]
+    ranks = [result.reports[r] for r in range(2)]
     assert [r["collectives"] for r in ranks] == [9, 9]
     with pytest.raises(CheckFailed, match="one all-reduce per tensor"):
         checks.check_fedavg([r["before"] for r in ranks], [r["samples"] for r in ranks],

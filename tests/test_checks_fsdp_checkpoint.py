@@ -131,7 +131,7 @@ def test_a_worker_mistake_is_named(worker, tmp_path, no_orphans, shard, save, me
 
 def test_the_blank_worker_is_named(solved):
     saved, checkpoint = solved
-    blank = replace(saved, returncodes={0: 1, 1: 1}, results={}, output={
+    blank = replace(saved, returncodes={0: 1, 1: 1}, reports={}, output={
         0: ["Traceback (most recent call last):", "NotImplementedError: exercise: replace this line"], 1: []})
     with pytest.raises(CheckFailed, match="worker is not written yet"):
         checks.check_fsdp2_checkpoint(blank, checkpoint, planted_load())
@@ -139,9 +139,9 @@ def test_the_blank_worker_is_named(solved):
 
 def test_a_root_left_unsharded_is_named(solved):
     saved, checkpoint = solved
-    results = {r: {**report, "units": ["layers.0", "layers.1"]} for r, report in saved.results.items()}
+    results = {r: {**report, "units": ["layers.0", "layers.1"]} for r, report in saved.reports.items()}
     with pytest.raises(CheckFailed, match="the root is not"):
-        checks.check_fsdp2_checkpoint(replace(saved, results=results), checkpoint, planted_load())
+        checks.check_fsdp2_checkpoint(replace(saved, reports=results), checkpoint, planted_load())
 
 
 def test_saving_on_rank_0_only_is_named(solved):

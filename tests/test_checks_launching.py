@@ -43,7 +43,7 @@ def plant(source: str, region: int, code: str) -> str:
 
 def run(script, nproc, *extra):
     return launch(script, nproc=nproc, args=ARGS + list(extra), echo=False, progress=False,
-                  timeout=180).results
+                  timeout=180).reports
 
 
 @pytest.fixture(scope="module")

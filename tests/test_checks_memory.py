@@ -148,7 +148,7 @@ def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fit_budget")
     (folder / "budget_tools.py").write_text(TOOLS)
     (folder / "fit_budget.py").write_text(variants_script())
-    results = launch(str(folder / "fit_budget.py"), nproc=2, echo=False, progress=False).results
+    results = launch(str(folder / "fit_budget.py"), nproc=2, echo=False, progress=False).reports
     return {name: {rank: results[rank][name] for rank in results} for name in ["solution", *PLANTED]}
 
 

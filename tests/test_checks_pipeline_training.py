@@ -48,7 +48,7 @@ def launched(tmp_path_factory, data_file):
         (folder / f"{name}.py").write_text(plant(changes))
     return spike_course.launch(folder / "pipeline_epochs.py", nproc=2,
                                args=["--data-file", data_file, "pipeline_functions", *MISTAKES],
-                               echo=False, progress=False, timeout=240).results
+                               echo=False, progress=False, timeout=240).reports
 
 
 def test_solution_passes(launched, data_file, capsys):

@@ -84,13 +84,13 @@ def run(worker, layer_source):
     worker(layer_source, "vocab_parallel.py")
     result = spike_course.launch(worker(CHECK_SCRIPT, "check_embedding.py"), nproc=2, echo=False,
                                  progress=False, timeout=120, check=False)
-    return result, unsharded_reference(result.results[0]["problem"])
+    return result, unsharded_reference(result.reports[0]["problem"])
 
 
 def test_the_solution_passes(worker, no_orphans, capsys):
     result, reference = run(worker, LAYER)
     assert result.ok
-    check_vocab_parallel_embedding(result.results, reference)
+    check_vocab_parallel_embedding(result.reports, reference)
     assert "check passed" in capsys.readouterr().out
 
 
@@ -100,7 +100,7 @@ def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
     source = exercises.blank_source(LAYER) if regions is None else plant(**regions)
     result, reference = run(worker, source)
     with pytest.raises(CheckFailed, match=message):
-        check_vocab_parallel_embedding(result.results, reference)
+        check_vocab_parallel_embedding(result.reports, reference)
 
 
 # --- without a launch: what ranks of a right layer report, changed by hand ---

@@ -53,7 +53,7 @@ def launched(tmp_path_factory):
     for name, (changes, _) in MISTAKES.items():
         (folder / f"{name}.py").write_text(plant(changes))
     return spike_course.launch(folder / "check_plan.py", nproc=2, args=["tp_plan", *MISTAKES],
-                               echo=False, progress=False, timeout=240).results
+                               echo=False, progress=False, timeout=240).reports
 
 
 def test_solution_passes(launched, capsys):

@@ -96,7 +96,7 @@ def test_collective_timeout_is_pytorchs_under_torchrun_and_short_under_launch(cl
     assert f"collective timeout {default.total_seconds():g}" in done.stdout, done.stdout
 
     launched = launch(script, nproc=2, echo=False)
-    assert {r["timeout"] for r in launched.results.values()} == {60.0}
+    assert {r["timeout"] for r in launched.reports.values()} == {60.0}
     assert default > timedelta(seconds=60)
 
 

@@ -39,9 +39,9 @@ time.sleep(600)
 def test_results_come_back_from_every_rank(worker, no_orphans, launcher):
     result = launch(worker(HELLO), nproc=3, launcher=launcher, echo=False)
     assert result.ok
-    assert sorted(result.results) == [0, 1, 2]
+    assert sorted(result.reports) == [0, 1, 2]
     for rank in range(3):
-        assert result.results[rank] == {"rank": rank, "world_size": 3, "total": 3.0, "device": "cpu"}
+        assert result.reports[rank] == {"rank": rank, "world_size": 3, "total": 3.0, "device": "cpu"}
         assert result.output[rank] == [f"rank {rank} of 3: sum of ranks 3"]
     assert sorted(result.output) == sorted(result.returncodes) == [0, 1, 2]  # keyed by rank only
     if launcher == "torchrun":
@@ -127,7 +127,7 @@ def test_two_launches_at_the_same_time(worker, no_orphans):
     for thread in threads:
         thread.join()
     assert not errors
-    assert all(results[name].ok and results[name].results[1]["total"] == 1.0 for name in "ab")
+    assert all(results[name].ok and results[name].reports[1]["total"] == 1.0 for name in "ab")
 
 
 def test_worker_without_launcher_says_how_to_start_it(worker):

@@ -29,7 +29,7 @@ def check_flat_allreduce(job, reference: dict, rtol: float = 1e-4, atol: float =
     all-reduce per step, against one process that saw every rank's batch.
 
     ``job`` is the launch of ``average_by_hand.py`` (``launch(..., check=False)``, so that a
-    blank exercise reaches this check) or its ``results``. Besides what
+    blank exercise reaches this check) or its ``reports``. Besides what
     :func:`check_data_parallel` compares, each rank reports ``"local"`` (its own gradients of
     the first step, before averaging) and ``"collectives"`` (``CommDebugMode``'s counts of
     that averaging, by op name such as ``"allreduce_"``).
@@ -89,7 +89,7 @@ def _describe(counts: dict) -> str:
 
 def _reported(job) -> dict:
     """The ranks' reports, after a blank exercise or a failed rank has been named."""
-    results = getattr(job, "results", job)
+    results = getattr(job, "reports", job)
     output = "\n".join(line for lines in getattr(job, "output", {}).values() for line in lines)
     if "NotImplementedError" in output:
         raise CheckFailed("average_gradients_flat is not written yet: a rank stopped at `raise "

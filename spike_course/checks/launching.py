@@ -27,7 +27,7 @@ def _same_lr(a: float, b: float) -> bool:
 def _report(results: dict, name: str) -> dict:
     """Rank 0's report of one launch, with everything the check reads."""
     if not results:
-        raise CheckFailed(f"the {name} run reported nothing: pass the .results of its launch(...)")
+        raise CheckFailed(f"the {name} run reported nothing: pass the .reports of its launch(...)")
     report = results[min(results)]
     missing = [key for key in REPORTED if key not in report]
     if missing:
@@ -201,7 +201,7 @@ def check_resharded_resume(uninterrupted: dict, first_part: dict, resumed: dict,
     """A run checkpointed on one number of ranks and resumed on another must train, step by
     step, exactly the samples and with exactly the learning rate of the uninterrupted run.
 
-    Each argument is a launch's ``.results`` ({rank: report}) of the chapter's worker:
+    Each argument is a launch's ``.reports`` ({rank: report}) of the chapter's worker:
     ``uninterrupted`` ran every step on the first world size, ``first_part`` the same up to
     its --stop-at step (and saved a checkpoint), ``resumed`` the rest on another world size.
     Samples, learning rates, step numbers and the restored state are compared exactly. The

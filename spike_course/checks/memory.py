@@ -17,7 +17,7 @@ def check_fits_budget(results: dict, budget: float) -> None:
     saved for backward) are within ``budget``, and training ended bit for bit where the
     unconstrained run (DDP) ended.
 
-    ``results[rank]`` (``launch(...).results``) holds "ddp" and "fit" (each: "held", the
+    ``results[rank]`` (``launch(...).reports``) holds "ddp" and "fit" (each: "held", the
     bytes by kind after the last step; "saved", the bytes saved by its forward; "params",
     the full parameters after training; "dtypes"; "gathered", the parameter bytes still
     gathered after the forward, beyond the shards), "start" (the built model's full

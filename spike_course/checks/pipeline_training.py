@@ -67,7 +67,7 @@ def _reference(data, order, config, threads):
 
 
 def check_pipeline_training(launched: dict, data_file, functions: str = "pipeline_functions") -> None:
-    """Check what pipeline_epochs.py reported (``launch(...).results``) for the module
+    """Check what pipeline_epochs.py reported (``launch(...).reports``) for the module
     ``functions`` against one process training the same stages on the same batches;
     ``data_file`` is the data it trained on."""
     import torch

@@ -20,7 +20,7 @@ _UNSEEN_COLLECTIVE = "autograd kernel was not registered"
 def check_vocab_parallel_embedding(results: dict, reference: dict) -> None:
     """Check a vocabulary-parallel embedding against the unsharded nn.Embedding.
 
-    ``results``: ``launch(...).results`` of check_embedding.py, rank -> dict with ``world``
+    ``results``: ``launch(...).reports`` of check_embedding.py, rank -> dict with ``world``
     and, as far as the layer got: ``weight`` (its slice of the table), ``y`` (its output),
     ``grad_weight`` (the gradient of its slice), ``warnings``, or ``error`` and ``where``
     (the method of the layer that raised). ``reference``: ``tokens``, ``y``, ``weight`` and
@@ -196,7 +196,7 @@ def _named_plan_mistake(plan: dict) -> str | None:
 
 def check_tp_plan(results: dict, plan: str = "tp_plan", rtol: float = 1e-9, atol: float = 1e-12) -> None:
     """Check a ``parallelize(model, mesh)`` plan for the TinyTransformer from what check_plan.py
-    reported (``launch(...).results``): outputs and gradients against the unsharded model,
+    reported (``launch(...).reports``): outputs and gradients against the unsharded model,
     every weight sharded, and Megatron's collectives per layer (CommDebugMode).
 
     The worker runs in float64: the sharded model adds partial sums in another order than

@@ -12,7 +12,7 @@ from ._common import CheckFailed, close, passed
 def check_zero1(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     """Check a hand-written ZeRO stage 1 against DDP trained on the same batches.
 
-    ``results[rank]`` (what ``launch(...).results`` gives) holds: "zero1", the flat
+    ``results[rank]`` (what ``launch(...).reports`` gives) holds: "zero1", the flat
     parameters of the rank's model after training; "ddp", the flat parameters of the DDP
     reference; "owned", the (start, end) slice of the flat parameters the rank steps;
     "optimizer_numel", how many elements of momentum the rank's optimizer keeps; and
@@ -111,14 +111,14 @@ def _reported(saved, world: int) -> dict:
     if saved.timed_out:
         raise CheckFailed(f"the workers timed out after {saved.seconds:.0f} s: a rank waited in a collective "
                           "that another rank never entered.")
-    if not saved.results:
+    if not saved.reports:
         rank, code, error = _failure(saved)
         raise CheckFailed(f"rank {rank} failed (exit code {code}) before it reported anything: {error}. The "
                           "cell above shows its traceback; fix that error first.")
-    missing = [r for r in range(world) if r not in saved.results]
+    missing = [r for r in range(world) if r not in saved.reports]
     if missing:
         raise CheckFailed(f"ranks {missing} reported nothing: every rank must run the whole worker.")
-    return saved.results[0]
+    return saved.reports[0]
 
 
 def _check_units(units: set, params: dict) -> None:
