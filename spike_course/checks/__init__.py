@@ -12,7 +12,7 @@ from __future__ import annotations
 # Re-exports: every name below is part of the package's API.
 # ruff: noqa: F401
 
-from ._common import CheckFailed, close, passed
+from ._common import CheckFailed, close, launch_reports, passed
 from .communication import check_dgx_prediction
 from .data_parallel import check_data_parallel, check_distributed_accuracy, check_flat_allreduce
 from .federated import check_fedavg

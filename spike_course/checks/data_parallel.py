@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import re
-
-from ._common import CheckFailed, all_close, close, largest_difference, passed
+from ._common import CheckFailed, all_close, close, largest_difference, launch_reports, passed
 
 
 def _same_names_all_close(a: dict, b: dict, rtol: float, atol: float, factor: float = 1.0) -> bool:
@@ -36,7 +34,7 @@ def check_flat_allreduce(job, reference: dict, rtol: float = 1e-4, atol: float =
     """
     import torch
 
-    ranks = _reported(job)
+    ranks = launch_reports(job, "average_gradients_flat")
     for rank, got in sorted(ranks.items()):
         if "collectives" not in got or "local" not in got:
             raise CheckFailed(f"rank {rank} did not report 'local' and 'collectives': run the worker as given, "
@@ -85,27 +83,6 @@ def check_flat_allreduce(job, reference: dict, rtol: float = 1e-4, atol: float =
 
 def _describe(counts: dict) -> str:
     return ", ".join(f"{n} {op.rstrip('_')}" for op, n in counts.items() if n) or "no collective"
-
-
-def _reported(job) -> dict:
-    """The ranks' reports, after a blank exercise or a failed rank has been named."""
-    results = getattr(job, "reports", job)
-    output = "\n".join(line for lines in getattr(job, "output", {}).values() for line in lines)
-    if "NotImplementedError" in output:
-        raise CheckFailed("average_gradients_flat is not written yet: a rank stopped at `raise "
-                          "NotImplementedError`. Replace that line with your code and run the worker again.")
-    if getattr(job, "timed_out", False):
-        raise CheckFailed(f"the workers timed out after {job.seconds:.0f} s: a rank waited in a collective "
-                          "that another rank never entered (every rank must call all_reduce as often).")
-    nproc = getattr(job, "nproc", len(results))
-    failed = {rank: code for rank, code in getattr(job, "returncodes", {}).items() if code}
-    if failed or len(results) < nproc:
-        rank = min(failed) if failed else min(set(range(nproc)) - set(results))
-        errors = [line.strip() for line in getattr(job, "output", {}).get(rank, [])
-                  if re.match(r"\s*[\w.]*(Error|Exception)\b", line)]
-        raise CheckFailed(f"rank {rank} failed before it reported (exit code {failed.get(rank)}): "
-                          f"{errors[-1] if errors else 'see its output above'}. Fix that error first.")
-    return results
 
 
 def _misplaced_slice(grads: dict, expected: dict, rtol: float, atol: float):

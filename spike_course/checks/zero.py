@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ._common import CheckFailed, close, passed
+from ._common import CheckFailed, close, first_failure, launch_reports, passed
 
 
 def check_zero1(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
@@ -87,38 +87,6 @@ SAVE_RECIPE = ("model_state, optimizer_state = get_state_dict(model, optimizer),
 LOAD_RECIPE = ("dcp.load the dicts that get_state_dict(model, optimizer) returns (one call, model and "
                "optimizer together), then set_state_dict(model, optimizer, model_state_dict=..., "
                "optim_state_dict=...)")
-
-
-def _failure(saved) -> tuple[int, int, str]:
-    """The rank whose error started it all, its exit code and its last error line (the other
-    ranks' "Connection closed by peer" is only their echo of it)."""
-    failed = sorted(r for r, code in saved.returncodes.items() if code != 0) or sorted(saved.output)
-    found = []
-    for rank in failed:
-        errors = [line.strip() for line in saved.output.get(rank, [])
-                  if re.match(r"\s*[\w.]*(Error|Exception|Interrupt)\b", line)]
-        found.append((rank, saved.returncodes.get(rank), errors[-1] if errors else "(no error line)"))
-    first = [f for f in found if "closed by peer" not in f[2]] or found or [(None, None, "")]
-    return first[0]
-
-
-def _reported(saved, world: int) -> dict:
-    """Rank 0's report, after the failures that leave nothing to compare have been named."""
-    output = "\n".join(line for lines in saved.output.values() for line in lines)
-    if "NotImplementedError" in output:
-        raise CheckFailed("the worker is not written yet: a rank stopped at `raise NotImplementedError`. "
-                          "Replace those lines (the sharding and the save) with your code and run it again.")
-    if saved.timed_out:
-        raise CheckFailed(f"the workers timed out after {saved.seconds:.0f} s: a rank waited in a collective "
-                          "that another rank never entered.")
-    if not saved.reports:
-        rank, code, error = _failure(saved)
-        raise CheckFailed(f"rank {rank} failed (exit code {code}) before it reported anything: {error}. The "
-                          "cell above shows its traceback; fix that error first.")
-    missing = [r for r in range(world) if r not in saved.reports]
-    if missing:
-        raise CheckFailed(f"ranks {missing} reported nothing: every rank must run the whole worker.")
-    return saved.reports[0]
 
 
 def _check_units(units: set, params: dict) -> None:
@@ -278,12 +246,12 @@ def check_fsdp2_checkpoint(saved, checkpoint, load) -> None:
     writes the shards' bytes and dcp.load reads them back; no value goes through arithmetic.
     """
     world, path = saved.nproc, Path(checkpoint)
-    first = _reported(saved, world)
+    first = launch_reports(saved, "the worker")[0]
     params = first["params"]
     _check_units(set(first["units"]), params)
     _check_trained(first, params)
     if not saved.ok:
-        rank, code, error = _failure(saved)
+        rank, code, error = first_failure(saved)
         hint = (" A rank waited in a collective that another rank never entered: get_state_dict and dcp.save "
                 "are collectives, so every rank calls them (not only rank 0)." if "imed out" in error else "")
         raise CheckFailed(f"the model trained, but rank {rank} failed afterwards, while saving (exit code "
