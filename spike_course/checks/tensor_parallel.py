@@ -3,7 +3,7 @@ parallelize_module plan for the whole TinyTransformer)."""
 
 from __future__ import annotations
 
-from ._common import CheckFailed, passed
+from ._common import CheckFailed, close, passed
 
 
 def _gap(actual, expected) -> str:
@@ -48,8 +48,6 @@ def check_vocab_parallel_embedding(results: dict, reference: dict) -> None:
     vocab, dim = table.shape
     rows = vocab // n
     same = lambda a, b: a.shape == b.shape and torch.equal(a.double(), b.double())  # noqa: E731
-    near = lambda a, b: a.shape == b.shape and torch.allclose(a.double(), b.double(),  # noqa: E731
-                                                              rtol=1e-5, atol=1e-6)
 
     errors = {r: results[r]["error"] for r in range(n) if results[r].get("error")}
     for r, error in errors.items():
@@ -99,7 +97,7 @@ def check_vocab_parallel_embedding(results: dict, reference: dict) -> None:
         if y.shape != ref["y"].shape:
             raise CheckFailed(f"{name}: rank {r}'s output has shape {tuple(y.shape)}, expected "
                               f"{tuple(ref['y'].shape)} (the tokens' shape, then the embedding dimension).")
-        if n > 1 and near(y, own[r]):
+        if n > 1 and close(y, own[r]):
             raise CheckFailed(
                 f"{name}: rank {r}'s output holds only the vectors of its own tokens "
                 f"(ids {r * rows} to {(r + 1) * rows - 1}), zeros for the others: the all-reduce is "
@@ -108,10 +106,10 @@ def check_vocab_parallel_embedding(results: dict, reference: dict) -> None:
         local = lambda r, t: table[r * rows:(r + 1) * rows][t]  # noqa: E731 - row t of rank r's slice
         row_zero = sum(torch.where(inside[q].unsqueeze(-1), table[tokens], local(q, 0)) for q in range(n))
         clamped = sum(local(q, (tokens - q * rows).clamp(0, rows - 1)) for q in range(n))
-        if near(y, row_zero) or near(y, clamped):
+        if close(y, row_zero) or close(y, clamped):
             raise CheckFailed(
                 f"{name}: rank {r}'s output is each token's vector plus, from every rank that does not "
-                f"own it, the row that rank looked it up as ({'its row 0' if near(y, row_zero) else 'a clamped row'}): "
+                f"own it, the row that rank looked it up as ({'its row 0' if close(y, row_zero) else 'a clamped row'}): "
                 "the tokens outside [start, end) were not zeroed. Zero their vectors (a mask) before "
                 "the sum.")
         raise CheckFailed(f"{name}: rank {r}'s output differs from nn.Embedding's ({_gap(y, ref['y'])}): "
@@ -138,7 +136,7 @@ def check_vocab_parallel_embedding(results: dict, reference: dict) -> None:
                 "ReduceFromParallel.apply(partial, self.group), whose backward passes the gradient on.")
         if same(grad, expected):
             continue
-        if n > 1 and near(grad, n * expected):
+        if n > 1 and close(grad, n * expected):
             raise CheckFailed(
                 f"{name}: rank {r}'s table gradient is exactly world_size = {n} times too big: the "
                 "backward of the sum all-reduces the gradient again (torch.distributed.nn.functional."
