@@ -2,7 +2,7 @@
 
 Each test takes the solution's function (its cell in the solution notebook, without the
 solution markers), plants one classic mistake with a string replacement, and runs the check
-on the check's own deterministic trace and dumps (no launch: the notebooks feed the checks
+on the check's own deterministic traces and dumps (no launch: the notebooks feed the checks
 their real traces and dumps).
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from spike_course.checks import CheckFailed, check_exposed_share, check_hang_diagnosis
+from spike_course.checks import CheckFailed, check_hang_diagnosis, check_straggler
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = [c.source for c in nbformat.read(ROOT / "solutions" / "10_profiling_and_debugging.ipynb", as_version=4).cells
@@ -23,45 +23,70 @@ def solution(name):
     return "\n".join(line for line in source.splitlines() if "### " not in line)
 
 
-def plant(name, old="", new=""):
+def plant(name, *replacements):
+    """The solution's function ``name`` with each (old, new) replacement made once."""
     source = solution(name)
-    assert old in source, f"the solution no longer contains {old!r}: update this test"
+    for old, new in replacements:
+        assert old in source, f"the solution no longer contains {old!r}: update this test"
+        source = source.replace(old, new, 1)
     namespace = {}
-    exec(source.replace(old, new, 1), namespace)
+    exec(source, namespace)
     return namespace[name]
 
 
 def test_the_solutions_pass(capsys):
-    check_exposed_share(plant("exposed_share"))
+    check_straggler(plant("find_straggler"))
     check_hang_diagnosis(plant("diagnose"))
     assert capsys.readouterr().out.count("check passed") == 2
 
 
-SHARE_MISTAKES = {
-    "overlapped instead of exposed": ("return 1 - hidden / total", "return hidden / total", "overlapped share"),
-    "c10d enqueue events": ('comm = union(spans("gloo:"))', 'comm = union(spans("c10d::allreduce_"))',
-                            "c10d::allreduce_ events"),
-    "durations summed": ('comm = union(spans("gloo:"))', 'comm = spans("gloo:")', "counted twice"),
-    "backward label": ('spans("autograd::engine::evaluate_function:")', 'spans("backward")',
-                       "record_function range named 'backward'"),
-    "whole step": ('spans("autograd::engine::evaluate_function:")', 'spans("ProfilerStep")', "whole step"),
+STRAGGLER_MISTAKES = {  # name: (old, new) replacements in the solution, and what the message says
+    "waits instead of lateness": ([("append((called - first) / 1000)", "append((max(calls) - called) / 1000)")],
+                                  "WAITED for the last one"),
+    "no common clock": ([('base = trace["baseTimeNanoseconds"] / 1000', "base = 0")], "one clock first"),
+    "gloo thread starts": ([('e["name"] == "c10d::allreduce_"', 'e["name"].startswith("gloo:")')],
+                           "gloo's threads picks the work up"),
+    "gloo thread ends": ([('e["name"] == "c10d::allreduce_"', 'e["name"].startswith("gloo:")'),
+                          ('base + e["ts"] for e', 'base + e["ts"] + e["dur"] for e')], "nobody looks late"),
+    "call ends": ([('base + e["ts"] for e', 'base + e["ts"] + e["dur"] for e')], "calls END"),
+    "forward starts": ([('e["name"] == "c10d::allreduce_"', 'e["name"] == "forward"')], "START their steps"),
+    "total, not mean": ([("sum(ms) / len(ms)", "sum(ms)")], "added up over all the collectives"),
+    "microseconds": ([("append((called - first) / 1000)", "append(called - first)")], "those are microseconds"),
+    "the longest communicator": ([('"rank": max(late_ms, key=late_ms.get)',
+                                   '"rank": max(traces, key=lambda r: sum(e["dur"] for e in traces[r]["traceEvents"] '
+                                   'if e.get("ph") == "X" and e["name"].startswith("gloo:")))')], "is a victim"),
 }
 
 
-@pytest.mark.parametrize("name", sorted(SHARE_MISTAKES))
-def test_each_exposed_share_mistake_is_named(name):
-    old, new, message = SHARE_MISTAKES[name]
+@pytest.mark.parametrize("name", sorted(STRAGGLER_MISTAKES))
+def test_each_straggler_mistake_is_named(name):
+    replacements, message = STRAGGLER_MISTAKES[name]
     with pytest.raises(CheckFailed, match=message):
-        check_exposed_share(plant("exposed_share", old, new))
+        check_straggler(plant("find_straggler", *replacements))
 
 
-def test_an_answer_hard_coded_for_the_small_trace_fails_on_a_real_one():
-    from spike_course.checks.profiling import synthetic_trace
+def test_a_malformed_straggler_answer_is_named():
+    from spike_course.checks.profiling import synthetic_traces
 
-    other = [e for e in synthetic_trace() if not (e["name"] == "gloo:all_reduce" and e["tid"] == 202)]
-    check_exposed_share(plant("exposed_share"), {"ddp_rank0": other})
-    with pytest.raises(CheckFailed, match="ddp_rank0: exposed share 0.2222, expected 0.0000"):
-        check_exposed_share(lambda events: 4 / 18, {"ddp_rank0": other})
+    with pytest.raises(CheckFailed, match="return a dict with 'rank'"):
+        check_straggler(lambda traces: 2)
+    with pytest.raises(CheckFailed, match="one entry per rank"):
+        check_straggler(lambda traces: {"rank": 2, "late_ms": {2: 6.06}})
+    assert len(synthetic_traces()) == 4
+
+
+def test_an_answer_hard_coded_for_the_small_traces_fails_on_other_ones():
+    from spike_course.checks.profiling import synthetic_traces
+
+    solution = plant("find_straggler")
+    other = synthetic_traces()
+    for event in other[0]["traceEvents"]:  # rank 0 now arrives 20 ms late at every all-reduce
+        if event["name"] == "c10d::allreduce_":
+            event["ts"] += 20_000
+    check_straggler(solution, other)
+    small = solution(synthetic_traces())
+    with pytest.raises(CheckFailed, match="on your job's traces you found rank 2 .* expected rank 0"):
+        check_straggler(lambda traces: small, other)
 
 
 DIAGNOSIS_MISTAKES = {
@@ -80,7 +105,7 @@ DIAGNOSIS_MISTAKES = {
 def test_each_diagnosis_mistake_is_named(name):
     old, new, message = DIAGNOSIS_MISTAKES[name]
     with pytest.raises(CheckFailed, match=message):
-        check_hang_diagnosis(plant("diagnose", old, new))
+        check_hang_diagnosis(plant("diagnose", (old, new)))
 
 
 def test_a_malformed_answer_is_named():

@@ -24,5 +24,5 @@ from .sampling import check_sampler
 from .tensor_parallel import check_tp_plan, check_vocab_parallel_embedding
 from .zero import check_fsdp2_checkpoint, check_zero1
 from .capstone import check_capstone_job, check_capstone_submit
-from .profiling import check_exposed_share, check_hang_diagnosis
+from .profiling import check_hang_diagnosis, check_straggler
 from .memory import check_fits_budget, check_peak_prediction

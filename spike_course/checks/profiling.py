@@ -1,10 +1,10 @@
 """Exercise checks for chapter 10: profiling and debugging.
 
-``check_exposed_share`` grades a function that reads one rank's Chrome trace (its
-``traceEvents``) and returns the share of the communication time that backward did NOT
-hide. ``check_hang_diagnosis`` grades a function that reads the dumps of a hung job
-(each rank's flight recorder and main-thread stack) and names the rank that holds the
-job up, the collective the others wait in, and where the stuck rank is.
+``check_straggler`` grades a function that reads every rank's Chrome trace of one DDP job
+and finds the rank the others wait for: how late, on average, each rank arrives at the
+collectives. ``check_hang_diagnosis`` grades a function that reads the dumps of a hung job
+(each rank's flight recorder and main-thread stack) and names the rank that holds the job
+up, the collective the others wait in, and where the stuck rank is.
 
 Both first run the learner's function on small deterministic cases built here, in which
 each classic wrong reading gives its own wrong answer (so the message can name it), then
@@ -15,118 +15,172 @@ from __future__ import annotations
 
 from ._common import CheckFailed, passed
 
-COMM_PREFIX = "gloo:"                                   # the work itself, on gloo's threads
-BACKWARD_PREFIX = "autograd::engine::evaluate_function:"  # one backward node, on the autograd thread
+ARRIVAL = "c10d::allreduce_"  # the call on the rank's own thread: the moment it hands over its tensor
+# Lateness is a difference of two clock readings near 1.8e15 us, where a float64 is exact to
+# 0.25 us: reading a time adds at most two roundings, so one difference is off by at most
+# 0.5 us, whichever order a function adds base and ts in (and a mean of them no more). Two
+# correct answers agree within 1 us = 0.001 ms; every wrong reading below is off by 100 us or more.
+LATENESS_TOLERANCE_MS = 0.001
 
 
-# --- the reference readings (private: the notebook teaches its own) ---
+# --- stragglers: the reference reading (private: the notebook teaches its own) ---
 
-def _union(intervals):
-    merged = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
+def _times(trace: dict, name: str, end: bool = False, clock: bool = True) -> list[float]:
+    """Start (or end) times in us of a trace's complete events called ``name`` (a prefix if it
+    ends with ':'), on the machine's clock unless ``clock`` is False, in order."""
+    base = trace["baseTimeNanoseconds"] / 1000 if clock else 0.0
+    return sorted(base + e["ts"] + (e["dur"] if end else 0.0) for e in trace["traceEvents"]
+                  if e.get("ph") == "X" and (e["name"].startswith(name) if name.endswith(":") else e["name"] == name))
 
 
-def _length(intervals) -> float:
-    return sum(end - start for start, end in intervals)
+def _lateness(traces: dict, name: str = ARRIVAL, end: bool = False, clock: bool = True,
+              behind: bool = True, mean: bool = True, per_ms: float = 1000.0) -> dict:
+    """The reference (defaults) and the wrong readings the check recognises: for the k-th
+    ``name`` event of every rank (the same collective: every rank enters them in the same
+    order), how long after the first rank each rank arrived; averaged over the collectives.
+    ``behind=False`` measures from the LAST arrival instead (how long each rank waited)."""
+    times = {rank: _times(trace, name, end, clock) for rank, trace in traces.items()}
+    count = min(len(t) for t in times.values())
+    late = {rank: 0.0 for rank in times}
+    for k in range(count):
+        first, last = min(t[k] for t in times.values()), max(t[k] for t in times.values())
+        for rank, t in times.items():
+            late[rank] += (t[k] - first) if behind else (last - t[k])
+    late = {rank: total / (count if mean else 1) / per_ms for rank, total in late.items()}
+    return {"rank": max(late, key=lambda r: (late[r], -r)), "late_ms": late}
 
 
-def _overlap(a, b) -> float:
-    """Length of the intersection of two unions of intervals."""
-    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
+def _communication_ms(trace: dict) -> float:
+    """Time on gloo's threads: what a rank 'spent communicating', waiting included."""
+    return sum(e["dur"] for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("gloo:")) / 1000
 
 
-def _spans(events, prefix):
-    return [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e["name"].startswith(prefix)]
+def _x(name, start, end, tid, base_us):
+    return {"ph": "X", "name": name, "ts": float(start - base_us), "dur": float(end - start), "tid": tid, "pid": 1}
 
 
-def _exposed(events, comm=COMM_PREFIX, backward=BACKWARD_PREFIX, merge=True, complement=True) -> float:
-    """Reference (merge=True, complement=True) and the wrong readings the check recognises."""
-    comm_spans, backward_spans = _spans(events, comm), _union(_spans(events, backward))
-    if merge:
-        comm_spans = _union(comm_spans)
-        hidden, total = _overlap(comm_spans, backward_spans), _length(comm_spans)
-    else:  # every event on its own: two gloo threads working at once count twice
-        hidden = sum(_overlap([s], backward_spans) for s in comm_spans)
-        total = _length(comm_spans)
-    if total == 0:
-        return float("nan")
-    return 1 - hidden / total if complement else hidden / total
+def synthetic_traces() -> dict:
+    """Four ranks of a DDP job, 3 steps of 2 buckets, times in us. Rank 2 computes about 6 ms
+    slower than the others and arrives last at every all-reduce; rank 1 is about 1 ms slow.
+    The ranks begin their forwards almost together (rank 3 last, 0.4 ms after rank 0):
+    a rank that waited in the previous step's all-reduce starts the next step when it ends.
+    Each rank's trace counts from its own base, as on separate nodes; gloo's threads pick a
+    bucket up 40 us to 0.9 ms after the call, and every rank's all-reduce ends 1.5 ms after
+    the last one arrived."""
+    slow = {0: 0, 1: 900, 2: 6000, 3: 200}
+    jitter = [[{0: 30, 1: 0, 2: 170, 3: 80}, {0: 0, 1: 260, 2: 90, 3: 40}],
+              [{0: 120, 1: 60, 2: 0, 3: 10}, {0: 50, 1: 0, 2: 310, 3: 150}],
+              [{0: 0, 1: 140, 2: 70, 3: 220}, {0: 90, 1: 30, 2: 0, 3: 180}]]
+    pickup = {0: 40, 1: 900, 2: 60, 3: 40}  # rank 1's gloo threads are slow to start
+    traces = {}
+    for rank in slow:
+        base_us = 1_790_857_026_000_000 + 7_000 * rank  # each node's profiler has its own base
+        main, events = 100 + rank, []
+        for step in range(3):
+            start = 50_000 * step
+            arrivals = [start + 20_000 + 10_000 * b + slow[rank] + jitter[step][b][rank] for b in range(2)]
+            ends = [start + 20_000 + 10_000 * b + max(slow[r] + jitter[step][b][r] for r in slow) + 1_500
+                    for b in range(2)]
+            forward = start + {0: 0, 1: 50, 2: 10, 3: 400}[rank]
+            events += [_x(f"ProfilerStep#{step + 2}", forward - 5, start + 48_000, main, base_us),
+                       _x("forward", forward, forward + 12_000 + slow[rank], main, base_us),
+                       _x("backward", forward + 12_000 + slow[rank], ends[1] + 20, main, base_us)]
+            for b in range(2):
+                events += [_x(ARRIVAL, arrivals[b], arrivals[b] + 30 + 150 * rank, main, base_us),
+                           _x("gloo:all_reduce", arrivals[b] + pickup[rank], ends[b], 200 + b, base_us)]
+            events += [_x("optimizer", ends[1] + 30, ends[1] + 900, main, base_us),
+                       {"ph": "s", "name": "ac2g", "id": step, "ts": float(arrivals[0] - base_us), "tid": main, "pid": 1}]
+        traces[rank] = {"baseTimeNanoseconds": base_us * 1000, "traceEvents": events}
+    return traces
 
 
-def _x(name, start, end, tid):
-    return {"ph": "X", "name": name, "ts": float(start), "dur": float(end - start), "tid": tid, "pid": 1}
+def _straggler_answer(got, ranks) -> dict:
+    if not isinstance(got, dict) or not {"rank", "late_ms"} <= set(got) or not isinstance(got["late_ms"], dict):
+        raise CheckFailed(f"find_straggler() returned {got!r}: return a dict with 'rank' (the rank the others "
+                          "wait for) and 'late_ms' (a dict: rank -> its mean lateness in milliseconds)")
+    if set(got["late_ms"]) != set(ranks):
+        raise CheckFailed(f"late_ms has the keys {sorted(got['late_ms'])}; give one entry per rank {sorted(ranks)}, "
+                          "keyed by the rank as in `traces` (the first rank to arrive is 0 ms late)")
+    return got
 
 
-def synthetic_trace() -> list:
-    """One DDP step, times in microseconds: what the chapter's traces hold, small enough to
-    check by hand. Backward computes from 10 to 30; gloo's two threads all-reduce two buckets
-    from 16 to 26 and from 20 to 34 (together 16 to 34: 18 us, of which 14 inside backward)."""
-    main, autograd_events = 100, [(10, 14, "NllLossBackward0"), (14, 22, "AddmmBackward0"),
-                                  (22, 30, "ConvolutionBackward0")]
-    events = [_x("ProfilerStep#3", 0, 40, main), _x("forward", 0, 10, main), _x("aten::conv2d", 1, 6, main),
-              _x("backward", 10, 35, main)]  # the record_function range: DDP waits for its buckets in it
-    for start, end, node in autograd_events:
-        events.append(_x(f"{BACKWARD_PREFIX} {node}", start, end, main))
-        events.append(_x("aten::" + node.lower().replace("backward0", "_backward"), start + 0.5, end - 0.5, main))
-    events += [_x("c10d::allreduce_", 15, 15.5, main), _x("c10d::allreduce_", 33, 33.5, main),
-               _x("gloo:all_reduce", 16, 26, 201), _x("gloo:all_reduce", 20, 34, 202),
-               _x("optimizer", 36, 40, main), {"ph": "i", "name": "marker", "ts": 12.0, "tid": main, "pid": 1}]
-    return events
+def _same(got: dict, expected: dict, rank: bool = True) -> bool:
+    """Same lateness for every rank (and, with ``rank``, the same straggler named)."""
+    return (got["rank"] == expected["rank"] or not rank) and all(
+        abs(float(got["late_ms"][r]) - expected["late_ms"][r]) <= LATENESS_TOLERANCE_MS for r in expected["late_ms"])
 
 
-def check_exposed_share(exposed_share, traces: dict | None = None) -> None:
-    """``exposed_share(events)`` -> the exposed share of communication in one rank's trace.
+def _table(late: dict) -> str:
+    return ", ".join(f"rank {r}: {ms:.3f}" for r, ms in sorted(late.items()))
 
-    ``traces`` maps a name to a list of trace events (a trace's ``traceEvents``); a name that
-    starts with ``by_hand`` is a run that all-reduced after backward (its share must be 1).
+
+def check_straggler(find_straggler, traces: dict | None = None) -> None:
+    """``find_straggler(traces)`` -> {"rank": r, "late_ms": {rank: ms}}, where ``traces[rank]``
+    is one rank's Chrome trace (the JSON object, with ``traceEvents`` and
+    ``baseTimeNanoseconds``) of one job.
+
+    Runs it on the check's own four-rank traces, where every wrong reading it knows gives an
+    answer of its own, then on ``traces``, the notebook's real ones.
     """
-    events = synthetic_trace()
-    got = float(exposed_share(events))
-    expected = _exposed(events)
-    if abs(got - expected) > 1e-9:
+    small = synthetic_traces()
+    got, expected = _straggler_answer(find_straggler(small), small), _lateness(small)
+    if not _same(got, expected):
         wrong = {
-            "overlapped": _exposed(events, complement=False),
-            "enqueue": _exposed(events, comm="c10d::allreduce_"),
-            "summed": _exposed(events, merge=False),
-            "backward range": _exposed(events, backward="backward"),
+            "waits": (_lateness(small, behind=False),
+                      "that is how long each rank WAITED for the last one (last arrival - its arrival), so the "
+                      "rank that waits most comes out on top: a victim. Lateness counts from the FIRST arrival: "
+                      "its arrival - the earliest arrival at the same collective"),
+            "no clock": (_lateness(small, clock=False),
+                         "you compared ts values of different traces: each counts from its own trace's "
+                         "baseTimeNanoseconds (ranks on different nodes have different bases). Put every event on "
+                         "one clock first: baseTimeNanoseconds / 1000 + ts"),
+            "gloo starts": (_lateness(small, name="gloo:"),
+                            "you timed the gloo:all_reduce events: they start when one of gloo's threads picks the "
+                            f"work up, which can be long after the call. A rank arrives when it calls: {ARRIVAL}, on "
+                            "its own thread"),
+            "gloo ends": (_lateness(small, end=True, name="gloo:"),
+                          "you used when the gloo:all_reduce events END: a collective ends at about the same moment "
+                          "on every rank (nobody finishes before the last one arrives), so nobody looks late. Use "
+                          f"when each rank ARRIVES: the start of its {ARRIVAL} call"),
+            "call ends": (_lateness(small, end=True),
+                          f"you used when the {ARRIVAL} calls END. DDP's call returns once gloo has the tensor, "
+                          "a plain dist.all_reduce only when the sum is back: neither is the arrival. Use the START "
+                          "of the call"),
+            "forward starts": (_lateness(small, name="forward"),
+                               "you compared when the ranks START their steps (the forward range): they start "
+                               "almost together, because a rank that waited in the last step's all-reduce starts "
+                               "the next step as soon as it ends. A slow rank shows where the ranks meet: at the "
+                               f"collectives ({ARRIVAL})"),
+            "total": (_lateness(small, mean=False),
+                      "that is each rank's lateness added up over all the collectives; give the mean per collective"),
+            "microseconds": (_lateness(small, per_ms=1.0),
+                             "those are microseconds (trace times are in us); give milliseconds"),
         }
-        hints = {
-            "overlapped": "that is the share backward HID (the overlapped share); the exposed share is what is "
-                          "left: 1 - overlapped / communication time",
-            "enqueue": "you measured the c10d::allreduce_ events: they only mark the main thread handing a "
-                       "tensor to gloo (microseconds). The all-reduce itself runs on gloo's own threads as "
-                       "gloo:all_reduce events; measure those",
-            "summed": "you added up the durations of the gloo:all_reduce events one by one: gloo has two worker "
-                      "threads, and where two buckets are in flight at once that time is counted twice. Take "
-                      "the union of the communication intervals first (merge overlapping ones), then intersect",
-            "backward range": "you intersected the communication with a range that contains it: the "
-                              "record_function range named 'backward' (under DDP it ends only after DDP has waited "
-                              "for the last bucket) or the whole step (ProfilerStep), so nothing looks exposed. Use "
-                              f"the autograd engine's events ('{BACKWARD_PREFIX} ...'): the time backward really "
-                              "computes",
-        }
-        for name, value in wrong.items():
-            if abs(got - value) <= 1e-9:
-                raise CheckFailed(f"exposed share {got:.4f} on the check's small trace, expected {expected:.4f}: "
-                                  f"{hints[name]}.")
-        raise CheckFailed(f"exposed share {got:.4f} on the check's small trace (one step: backward computes "
-                          f"from 10 to 30 us, gloo all-reduces from 16 to 26 and from 20 to 34 on two threads), "
-                          f"expected {expected:.4f} = (18 - 14) / 18")
-    small = expected
-    for name, trace in (traces or {}).items():
-        got, expected = float(exposed_share(trace)), _exposed(trace)
-        if name.startswith("by_hand") and expected != 1.0:
-            raise CheckFailed(f"the reference itself finds overlap in {name}: the trace is not of the by-hand run")
-        if abs(got - expected) > 1e-9:
-            raise CheckFailed(f"{name}: exposed share {got:.4f}, expected {expected:.4f} (right on the small trace, "
-                              "wrong on the real one: are you filtering on ph == 'X' and using ts + dur?)")
-    passed(f"exposed communication share right on the check's trace ({small:.3f})"
-           + (f" and on {len(traces)} real trace(s)" if traces else ""))
+        for reading, (answer, hint) in wrong.items():
+            if _same(got, answer, rank=False):
+                raise CheckFailed(f"on the check's 4-rank traces you found rank {got['rank']} "
+                                  f"({_table(got['late_ms'])} ms): {hint}.")
+        comm = {rank: _communication_ms(trace) for rank, trace in small.items()}
+        if got["rank"] == max(comm, key=comm.get):
+            raise CheckFailed(
+                f"on the check's 4-rank traces you named rank {got['rank']}, the rank that spent the longest in "
+                f"gloo:all_reduce ({_table(comm)} ms). That rank is a victim: an all-reduce lasts until the last "
+                "rank arrives, so the ranks that are early 'communicate' longest, and the straggler least. "
+                f"Compare when each rank arrives at each collective ({ARRIVAL}).")
+        raise CheckFailed(f"on the check's 4-rank traces you found rank {got['rank']} ({_table(got['late_ms'])} ms); "
+                          f"expected rank {expected['rank']} ({_table(expected['late_ms'])} ms): for the k-th "
+                          f"{ARRIVAL} of every rank (the same collective), each rank's start minus the earliest "
+                          "start, on one clock, averaged over the collectives")
+    if traces:
+        got, expected = _straggler_answer(find_straggler(traces), traces), _lateness(traces)
+        if not _same(got, expected):
+            raise CheckFailed(f"on your job's traces you found rank {got['rank']} ({_table(got['late_ms'])} ms), "
+                              f"expected rank {expected['rank']} ({_table(expected['late_ms'])} ms): right on the "
+                              "check's traces, wrong on real ones. Do you keep every complete event (ph == 'X') "
+                              f"named {ARRIVAL}, and pair each rank's k-th one with the others' k-th?")
+    found = f" and on your job's {len(traces)}: rank {expected['rank']}, " \
+            f"{expected['late_ms'][expected['rank']]:.1f} ms late on average" if traces else ""
+    passed(f"straggler found on the check's 4 ranks{found}")
 
 
 # --- hang dumps ---
