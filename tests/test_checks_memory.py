@@ -114,24 +114,33 @@ PLANTED = {
     "blocks not sharded": ("        fully_shard(block, mesh=mesh)  ", "        pass  ", "one unit"),
     "root not sharded": ("    fully_shard(model, mesh=mesh)         #", "    pass  #", "the root is not"),
     "no checkpointing": ("    checkpoint_blocks(model)  ", "    pass  ", "as much as without any"),
-    "uninitialised after to_empty": ("    set_model_state_dict(", "    (lambda *a, **k: None)(",
+    "weights left uninitialised": ("    set_model_state_dict(", "    (lambda *a, **k: None)(",
                                      "does not start from the weights"),
     # checkpoint_blocks patches the forward of each entry of .layers: here, the whole model's
     "whole model checkpointed": ("    checkpoint_blocks(model)  ",
                                  '    checkpoint_blocks(type("Whole", (), {"layers": [model]}))  ',
                                  "whole model is checkpointed"),
     "cast to bf16": ("\n    return model", "\n    model.to(torch.bfloat16)\n    return model", "master weights"),
+    # the lecture's recipe copied whole: its class, and no buffer to compute again
+    "another class": (("model = PositionalTransformer(**SHAPE)", "    model.position_signal.copy_("),
+                      ("model = TinyTransformer(**SHAPE)", "    (lambda *a: None)("), "the colleague's model"),
+    "created whole": ('with torch.device("meta"):', "with torch.device(ctx.device):", "created the whole model"),
+    "buffer left uninitialised": ("    model.position_signal.copy_(", "    (lambda *a: None)(",
+                                  "persistent=False is in no state dict"),
 }
 HEAD, _, REST = FIT.partition("\ndef build(")
 BUILD, _, MAIN = ("def build(" + REST).partition("\nunconstrained = ")
-BODY, _, TAIL = ("unconstrained = " + MAIN).partition("model = build(initial)\n")
+BODY, _, TAIL = ("unconstrained = " + MAIN).partition("model = build(dict(initial) if ctx.is_main else {})\n")
 
 
 def variants_script():
     builds = {"solution": BUILD}
     for name, (old, new, _) in PLANTED.items():
-        assert old in BUILD, f"the solution no longer contains {old!r}: update this test"
-        builds[name] = BUILD.replace(old, new, 1)
+        source = BUILD
+        for before, after in zip(*((old, new) if isinstance(old, tuple) else ((old,), (new,)))):
+            assert before in source, f"the solution no longer contains {before!r}: update this test"
+            source = source.replace(before, after, 1)
+        builds[name] = source
     defs = "".join(source.replace("def build(", f"def build_{i}(", 1) + "\n"
                    for i, source in enumerate(builds.values()))
     table = ", ".join(f"{name!r}: build_{i}" for i, name in enumerate(builds))
@@ -139,7 +148,7 @@ def variants_script():
     loop = ("_report = runtime.report\n"
             f"for _name, build in {{{table}}}.items():\n"
             "    runtime.report = lambda **values: _report(**{_name: values})\n"
-            "    model = build(initial)\n" + "".join(f"    {line}\n" for line in body.strip().splitlines()))
+            "    model = build(dict(initial) if ctx.is_main else {})\n" + "".join(f"    {line}\n" for line in body.strip().splitlines()))
     return HEAD + "\n" + defs + "\n" + BODY + loop + "runtime.teardown()" + teardown
 
 

@@ -21,9 +21,13 @@ def check_fits_budget(results: dict, budget: float) -> None:
     bytes by kind after the last step; "saved", the bytes saved by its forward; "params",
     the full parameters after training; "dtypes"; "gathered", the parameter bytes still
     gathered after the forward, beyond the shards), "start" (the built model's full
-    parameters before training), "initial" (the weights it should start from), "shape"
-    (TinyTransformer's arguments), "batch" and "seq".
+    parameters before training), "initial" (the weights it should start from),
+    "created_on" (the device type its weights were created on: "meta" if it was never
+    whole), "buffers" and "expected_buffers" (the built model's buffers and the unconstrained
+    model's), "shape" (TinyTransformer's arguments), "batch" and "seq".
     """
+    import torch
+
     from ..costmodel import activation_bytes, transformer_params
 
     ranks = sorted(results)
@@ -47,6 +51,19 @@ def check_fits_budget(results: dict, budget: float) -> None:
                 "bf16 (model.to(torch.bfloat16)) drops the fp32 master weights, and Adam's small "
                 "updates are rounded away. Keep fp32 parameters (bf16 compute would be "
                 "MixedPrecisionPolicy, but here the result must not change at all).")
+        buffers, expected = results[rank]["buffers"], results[rank]["expected_buffers"]
+        if buffers.keys() != expected.keys():
+            raise CheckFailed(
+                f"rank {rank}: the model build() returned has the buffers {sorted(buffers) or 'none'}, the "
+                f"unconstrained one {sorted(expected)}: build the colleague's model (the class the "
+                "unconstrained run uses), not another one with the same parameters.")
+        if results[rank]["created_on"] != "meta":
+            raise CheckFailed(
+                f"rank {rank} created the whole model on {results[rank]['created_on']} (all "
+                f"{4 * psi:,} bytes of parameters, on every rank) before sharding it: for a model that "
+                "does not fit one GPU, that is the line that fails. Create it under "
+                'with torch.device("meta"): (shapes, no memory), shard it, then model.to_empty(device=...) '
+                "allocates only this rank's shards.")
         held, saved = fit["held"], fit["saved"]
         parameters, total = held["parameters"], sum(held.values()) + saved
         over = f"rank {rank} holds {total:,} bytes ({'over' if total > budget else 'within'} the budget of {budget:,.0f})"
@@ -92,9 +109,18 @@ def check_fits_budget(results: dict, budget: float) -> None:
                 "(largest difference "
                 f"{largest_difference(results[rank]['start'], results[rank]['initial'])[0]:.3g}). After "
                 "to_empty() the shards hold whatever was in that memory: load the weights with "
-                "set_model_state_dict(model, initial on rank 0, options=StateDictOptions("
-                "full_state_dict=True, broadcast_from_rank0=True)), or load_state_dict before sharding.")
+                "set_model_state_dict(model, checkpoint, options=StateDictOptions("
+                "full_state_dict=True, broadcast_from_rank0=True)) after to_empty: rank 0 sends each "
+                "rank its shards.")
 
+        if not _tensors_equal(buffers, expected):
+            wrong = sorted(n for n in expected if n not in buffers or not torch.equal(buffers[n], expected[n]))
+            raise CheckFailed(
+                f"rank {rank}: the buffer {', '.join(wrong)} of the model build() returned is not what the "
+                "model computes in __init__. to_empty() allocates the buffers uninitialised, like the "
+                "parameters, and set_model_state_dict cannot fill this one: a buffer registered with "
+                "persistent=False is in no state dict. After to_empty, compute it again, as __init__ does "
+                "(computing it before to_empty does not help: to_empty replaces it).")
         if not _tensors_equal(fit["params"], ddp["params"]):
             error = largest_difference(fit["params"], ddp["params"])[0]
             if saved in (activations(batch, checkpoint=True, precision="bf16"), activations(batch, precision="bf16")):
