@@ -97,7 +97,8 @@ def test_uneven_shards_are_named():
 
 
 def _training_results(world_size=2, sum_only=False, broadcast=True, all_reduce=True):
-    """A fake launch: ranks' initial weights, first-step gradients and final weights."""
+    """Made-up reports of exercise 1's worker: each rank's initial weights, first-step gradients
+    (its own and averaged, by one all-reduce) and final weights, and the one-process reference."""
     torch.manual_seed(0)
     initial = {"w": torch.randn(4, 3), "b": torch.randn(3)}
     grads = {"w": torch.randn(4, 3), "b": torch.randn(3)}
@@ -109,26 +110,27 @@ def _training_results(world_size=2, sum_only=False, broadcast=True, all_reduce=T
         g = {k: v * (world_size if sum_only else 1) for k, v in grads.items()}
         if not all_reduce:
             g = {k: v + rank for k, v in g.items()}
-        ranks[rank] = {"initial": start, "grads": g, "final": {k: start[k] - 0.1 * g[k] for k in start}}
+        ranks[rank] = {"initial": start, "grads": g, "final": {k: start[k] - 0.1 * g[k] for k in start},
+                       "local": {k: v + 1 + rank for k, v in grads.items()}, "collectives": {"allreduce_": 1}}
     return ranks, reference
 
 
 def test_right_data_parallel_passes():
-    checks.check_data_parallel(*_training_results())
+    checks.check_flat_allreduce(*_training_results())
 
 
 def test_summed_not_averaged_is_named():
-    text = message(lambda: checks.check_data_parallel(*_training_results(sum_only=True)))
+    text = message(lambda: checks.check_flat_allreduce(*_training_results(sum_only=True)))
     assert "summed but not averaged" in text and "world size" in text
 
 
 def test_missing_broadcast_is_named():
-    text = message(lambda: checks.check_data_parallel(*_training_results(broadcast=False)))
+    text = message(lambda: checks.check_flat_allreduce(*_training_results(broadcast=False)))
     assert "not broadcast" in text
 
 
 def test_missing_all_reduce_is_named():
-    assert "not all-reduced" in message(lambda: checks.check_data_parallel(*_training_results(all_reduce=False)))
+    assert "not all-reduced" in message(lambda: checks.check_flat_allreduce(*_training_results(all_reduce=False)))
 
 
 def test_distributed_accuracy_mistakes_are_named():

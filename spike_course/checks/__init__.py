@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ._common import CheckFailed, close, launch_reports, passed
 from .communication import check_dgx_prediction
-from .data_parallel import check_data_parallel, check_distributed_accuracy, check_flat_allreduce
+from .data_parallel import check_distributed_accuracy, check_flat_allreduce
 from .federated import check_fedavg
 from .launching import check_resharded_resume
 from .message_passing import check_tree_allreduce, check_exchange

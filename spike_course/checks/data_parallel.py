@@ -9,28 +9,18 @@ def _same_names_all_close(a: dict, b: dict, rtol: float, atol: float, factor: fl
     return a.keys() == b.keys() and all_close(a, b, factor, rtol, atol)
 
 
-def check_data_parallel(ranks: dict, reference: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
-    """Check hand-written data parallel training against one process that saw every rank's batch.
-
-    ``ranks[r]`` and ``reference`` are dicts with ``"initial"`` (parameters before the first
-    step, after any broadcast), ``"grads"`` (the gradients of the first step, after any
-    averaging, just before ``optimizer.step``) and ``"final"`` (parameters at the end), each a
-    dict name -> tensor. The reference trains one process on the concatenated batches.
-    """
-    _compare_training(ranks, reference, rtol, atol)
-    passed(f"{len(ranks)} ranks trained exactly like one process with the whole batch "
-           "(same start, averaged gradients, same final weights)")
-
-
 def check_flat_allreduce(job, reference: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
     """Check exercise 1 of chapter 03: data parallel that averages every gradient with ONE
     all-reduce per step, against one process that saw every rank's batch.
 
     ``job`` is the launch of ``average_by_hand.py`` (``launch(..., check=False)``, so that a
-    blank exercise reaches this check) or its ``reports``. Besides what
-    :func:`check_data_parallel` compares, each rank reports ``"local"`` (its own gradients of
-    the first step, before averaging) and ``"collectives"`` (``CommDebugMode``'s counts of
-    that averaging, by op name such as ``"allreduce_"``).
+    blank exercise reaches this check) or its ``reports``. Each rank and ``reference`` (one
+    process that trained on the concatenated batches) report ``"initial"`` (parameters before
+    the first step, after the broadcast), ``"grads"`` (the first step's gradients, after any
+    averaging, just before ``optimizer.step``) and ``"final"`` (parameters at the end), each a
+    dict name -> tensor; each rank also reports ``"local"`` (its own gradients of the first
+    step, before averaging) and ``"collectives"`` (``CommDebugMode``'s counts of that
+    averaging, by op name such as ``"allreduce_"``).
     """
     import torch
 
