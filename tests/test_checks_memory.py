@@ -130,14 +130,15 @@ PLANTED = {
 }
 HEAD, _, REST = FIT.partition("\ndef build(")
 BUILD, _, MAIN = ("def build(" + REST).partition("\nunconstrained = ")
-BODY, _, TAIL = ("unconstrained = " + MAIN).partition("model = build(dict(initial) if ctx.is_main else {})\n")
+BUILD_CALL = "model = build(dict(initial) if ctx.is_main else {})\n"  # the worker's one call of build()
+BODY, _, TAIL = ("unconstrained = " + MAIN).partition(BUILD_CALL)
 
 
 def variants_script():
     builds = {"solution": BUILD}
     for name, (old, new, _) in PLANTED.items():
         source = BUILD
-        for before, after in zip(*((old, new) if isinstance(old, tuple) else ((old,), (new,)))):
+        for before, after in zip(old, new) if isinstance(old, tuple) else [(old, new)]:
             assert before in source, f"the solution no longer contains {before!r}: update this test"
             source = source.replace(before, after, 1)
         builds[name] = source
@@ -148,7 +149,7 @@ def variants_script():
     loop = ("_report = runtime.report\n"
             f"for _name, build in {{{table}}}.items():\n"
             "    runtime.report = lambda **values: _report(**{_name: values})\n"
-            "    model = build(dict(initial) if ctx.is_main else {})\n" + "".join(f"    {line}\n" for line in body.strip().splitlines()))
+            "    " + BUILD_CALL + "".join(f"    {line}\n" for line in body.strip().splitlines()))
     return HEAD + "\n" + defs + "\n" + BODY + loop + "runtime.teardown()" + teardown
 
 

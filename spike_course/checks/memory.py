@@ -114,7 +114,7 @@ def check_fits_budget(results: dict, budget: float) -> None:
                 "rank its shards.")
 
         if not _tensors_equal(buffers, expected):
-            wrong = sorted(n for n in expected if n not in buffers or not torch.equal(buffers[n], expected[n]))
+            wrong = sorted(n for n in expected if not torch.equal(buffers[n], expected[n]))  # same names: checked above
             raise CheckFailed(
                 f"rank {rank}: the buffer {', '.join(wrong)} of the model build() returned is not what the "
                 "model computes in __init__. to_empty() allocates the buffers uninitialised, like the "

@@ -156,7 +156,7 @@ def check_straggler(find_straggler, traces: dict | None = None) -> None:
             "microseconds": (_lateness(small, per_ms=1.0),
                              "those are microseconds (trace times are in us); give milliseconds"),
         }
-        for reading, (answer, hint) in wrong.items():
+        for answer, hint in wrong.values():
             if _same(got, answer, rank=False):
                 raise CheckFailed(f"on the check's 4-rank traces you found rank {got['rank']} "
                                   f"({_table(got['late_ms'])} ms): {hint}.")
