@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from spike_course import launch, workers
+from spike_course.cluster_image import import_blocker
 from spike_course.protocol import COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_SIDE = ("spike_course.launcher", "spike_course.progress", "spike_course.widgets",
                  "psutil", "ipywidgets", "matplotlib")
-BLOCKER = workers.import_blocker(NOTEBOOK_SIDE, "is notebook-side: a worker must not import it")
+BLOCKER = import_blocker(NOTEBOOK_SIDE, "is notebook-side: a worker must not import it")
 
 # One worker per chapter, with arguments that keep it to seconds on 2 cores.
 WORKERS = {

@@ -1,6 +1,9 @@
 """Committed notebooks are clean and follow the course conventions."""
 
+import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -42,3 +45,32 @@ def test_every_chapter_has_its_lecture_and_matching_exercise():
     assert "00_welcome_and_setup" in lectures
     assert solutions <= lectures, f"solutions without a lecture: {solutions - lectures}"
     assert {p.stem for p in (ROOT / "exercises").glob("*.ipynb")} == solutions
+
+
+def test_what_a_notebook_imports_leaves_the_document_libraries_out():
+    """The kernel imports spike_course's checks, viz, widgets...; none of them may pull in
+    nbformat (about 2 s here: its schema validator compiles format grammars at import),
+    nbclient or jsonschema. Those are for the commands that read notebooks, not for a
+    chapter, whose every run would pay for them (the capstone check once did, via the
+    worker exporter)."""
+    imports = set()
+    for path in ALL:
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "code" or cell.source.startswith("%%"):
+                continue
+            source = "\n".join(l for l in cell.source.splitlines() if not l.lstrip().startswith(("%", "!")))
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.ImportFrom):
+                    modules = [node.module or ""]
+                elif isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                else:
+                    continue
+                if any(module.startswith("spike_course") for module in modules):
+                    imports.add(ast.unparse(node))
+    assert "from spike_course import checks, notebook, viz" in imports  # the search finds them
+    program = "\n".join(sorted(imports)) + (
+        "\nimport sys\nprint(sorted({m.split('.')[0] for m in sys.modules} & {'nbformat', 'nbclient', 'jsonschema'}))")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", f"a chapter's imports load {done.stdout.strip()}"

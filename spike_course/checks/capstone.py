@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..workers import import_blocker
+from ..cluster_image import import_blocker
 from ._common import CheckFailed, passed
 
 # Small enough for a few seconds per launch on 2 CPU cores. TEST_SAMPLES is odd on purpose:
