@@ -10,7 +10,7 @@ LAB_PORT ?= 8888
 # Tests use the synthetic digits: same data on every machine, no download.
 export SPIKE_COURSE_DATA ?= synthetic
 
-.PHONY: lab test exercises html workers gpu-check flakiness clean
+.PHONY: lab test quick exercises html workers gpu-check flakiness clean
 
 $(BIN)/spike-course: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,9 +21,17 @@ $(BIN)/spike-course: pyproject.toml
 lab: $(BIN)/spike-course
 	$(BIN)/spike-course lab --ip $(LAB_IP) --port $(LAB_PORT)
 
+# Two tests at a time: most of a test's time is spent waiting for the ranks, kernels or
+# torchrun it started, so one test at a time kept only one of two cores busy.
+# --dist loadfile keeps a notebook's cells, and a module's shared launches, on one worker.
 test: $(BIN)/spike-course
 	$(BIN)/spike-course exercises --check
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
+
+# For whoever changes the course: every test that starts no process (rank, kernel, torchrun),
+# in seconds. CI runs `make test`.
+quick: $(BIN)/spike-course
+	$(BIN)/python -m pytest tests -m "not processes" -q
 
 html: $(BIN)/spike-course
 	$(BIN)/spike-course html --out _build/html

@@ -1,15 +1,21 @@
 """Start N ranks of a worker script from a notebook or a shell, and collect what they say.
 
-Two ways to start the ranks:
+Three ways to start the ranks:
 
-* ``launcher="spawn"`` (the default) starts ``nproc`` plain ``python script.py``
-  processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, exactly
-  the variables torchrun would set. The parent never imports torch, so it is fast.
+* ``launcher="warm"`` (the default) forks every rank from a server process that has
+  imported torch once (``spike_course.warm``): a 2-rank job starts in a fraction of a
+  second instead of several. Each rank then sees exactly what a fresh one would: RANK,
+  WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as torchrun sets them, the rest of the
+  environment, thread counts, working directory, ``sys.argv`` and ``__main__``. Where
+  forking is not safe (macOS; a server that ran threads or touched CUDA) it says so in one
+  line and starts fresh interpreters instead.
+* ``launcher="fresh"`` starts ``nproc`` plain ``python script.py`` processes with the same
+  variables; each imports torch itself.
 * ``launcher="torchrun"`` runs ``python -m torch.distributed.run`` with ``--standalone``
   or with the rendezvous options you pass (``nnodes``, ``max_restarts``, ``rdzv_backend``,
   ``rdzv_endpoint``, ...), which is how the same script is started on a cluster.
 
-Either way the output of every rank streams into the cell, one whole line at a time,
+Whichever, the output of every rank streams into the cell, one whole line at a time,
 tagged with its rank; whatever a rank passes to ``spike_course.runtime.report`` comes
 back in ``result.reports[rank]``; and no child process outlives the call: a failing
 rank, a timeout or an interrupted cell stops the whole process tree.
@@ -33,10 +39,11 @@ from pathlib import Path
 
 import psutil
 
+from . import warm
 from .progress import ProgressView
 from .protocol import COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV, read_results
 
-LAUNCHERS = ("spawn", "torchrun")
+LAUNCHERS = ("warm", "fresh", "torchrun")
 TAIL_LINES = 25
 # A collective that waits longer than this inside a notebook launch is a bug (a rank skipped
 # it), not slow work: fail within a minute instead of gloo's 30 (runtime.setup reads it).
@@ -77,6 +84,7 @@ class LaunchResult:
     timed_out: bool = False
     agent_output: list = field(default_factory=list)
     agent_returncode: int | None = None
+    exit_order: list = field(default_factory=list)  # ranks that ended by themselves, first first
 
     @property
     def ok(self) -> bool:
@@ -96,7 +104,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(script, nproc: int = 2, args=(), *, launcher: str = "spawn", timeout: float | None = 300,
+def launch(script, nproc: int = 2, args=(), *, launcher: str = "warm", timeout: float | None = 300,
            env: dict | None = None, omp_threads: int | None = None, echo: bool = True,
            check: bool = True, progress: bool = True, python: str | None = None,
            **torchrun_options) -> LaunchResult:
@@ -126,34 +134,21 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "spawn", timeout:
     results_dir = Path(tempfile.mkdtemp(prefix="spike_course_results_"))
     child_env = _child_env(env, nproc, omp_threads, results_dir)
     python = python or sys.executable
-    if launcher == "spawn":
-        commands = {rank: [python, "-u", str(script), *args] for rank in range(nproc)}
-        rank_envs = {rank: _rank_env(rank, nproc) for rank in range(nproc)}
-        port = str(free_port())
-        for rank_env in rank_envs.values():
-            rank_env["MASTER_PORT"] = port
-    else:
-        # Restarted workers otherwise may read the dead workers' store address and fail to
-        # connect (pytorch issues 135712 and 167288): let each round start its own store.
-        child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        commands = {"torchrun": [python, "-m", "torch.distributed.run",
-                                 *_torchrun_flags(nproc, torchrun_options), str(script), *args]}
-        rank_envs = {"torchrun": {}}
-
     result = LaunchResult(nproc=nproc, output={rank: [] for rank in range(nproc)})
     view = ProgressView(nproc, results_dir, enabled=progress)
     started = time.perf_counter()
     processes = {}
     try:
-        for key, command in commands.items():
-            processes[key] = subprocess.Popen(
-                command, env={**child_env, **rank_envs[key]}, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=_die_with_parent)
-        _stream(processes, result, launcher, echo, timeout, started, view)
+        _start(launcher, python, script, args, nproc, child_env, torchrun_options, processes)
+        # The clock starts with the ranks: a warm start server still importing torch (once a
+        # kernel) is not the job's time.
+        _stream(processes, result, launcher, echo, timeout, time.perf_counter(), view)
     finally:
         # Whatever happened (done, failed rank, timeout, KeyboardInterrupt), nothing survives.
         stop_process_tree(list(processes.values()))
+        for proc in processes.values():
+            if isinstance(proc, warm.WarmRank):
+                proc.job.close()
         result.seconds = time.perf_counter() - started
         result.reports = read_results(results_dir)
         view.close()
@@ -168,6 +163,39 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "spawn", timeout:
     if check and not result.ok:
         raise _failure(result, timeout)
     return result
+
+
+def _start(launcher, python, script, args, nproc, child_env, torchrun_options, processes):
+    """Start the ranks (or the torchrun agent) into ``processes`` ({rank or "torchrun": a
+    process handle}), which the caller stops whatever happens."""
+    if launcher == "torchrun":
+        # Restarted workers otherwise may read the dead workers' store address and fail to
+        # connect (pytorch issues 135712 and 167288): let each round start its own store.
+        child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        processes["torchrun"] = _popen([python, "-m", "torch.distributed.run",
+                                        *_torchrun_flags(nproc, torchrun_options), str(script), *args],
+                                       child_env)
+        return
+    port = str(free_port())
+    rank_envs = {rank: {**_rank_env(rank, nproc), "MASTER_PORT": port} for rank in range(nproc)}
+    if launcher == "warm":
+        warm_ranks = warm.start_ranks(python, str(script), args, child_env, rank_envs)
+        if warm_ranks is not None:
+            processes.update(warm_ranks)
+            return
+    for rank, rank_env in rank_envs.items():
+        processes[rank] = _popen([python, "-u", str(script), *args], {**child_env, **rank_env})
+
+
+def _popen(command, env):
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def prestart_warm_server(python: str | None = None) -> None:
+    """Start the warm start server for this process's environment in the background, so that
+    the first launch finds torch imported (a chapter's first cell calls this)."""
+    warm.prestart(python or sys.executable, _child_env(None, 1, None, ""))
 
 
 def _child_env(extra, nproc, omp_threads, results_dir):
@@ -229,16 +257,29 @@ def _stream(processes, result, launcher, echo, timeout, started, view):
     while open_pipes:
         open_pipes -= _read_ready(selector, partial, emit, wait=0.2)
         view.refresh()
-        if launcher == "spawn" and any(p.poll() not in (None, 0) for p in processes.values()):
-            # A rank died: the others would wait forever in their next collective.
-            time.sleep(0.5)  # let the dying rank's last lines arrive
-            _read_ready(selector, partial, emit, wait=0.1, flush=True)
+        _note_ends(processes, result.exit_order)
+        if launcher != "torchrun" and any(processes[key].returncode != 0 for key in result.exit_order):
+            # A rank died: the others would wait forever in their next collective. Its last
+            # lines are in its pipe (or held by a process it started: wait 0.5 s at most).
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline and any(
+                    selector.get_map().get(processes[key].stdout.fileno()) for key in result.exit_order):
+                _read_ready(selector, partial, emit, wait=0.05)
+            _read_ready(selector, partial, emit, wait=0, flush=True)
             return
         if timeout is not None and time.perf_counter() - started > timeout:
             result.timed_out = True
             return
     for proc in processes.values():
         proc.wait()
+    _note_ends(processes, result.exit_order)
+
+
+def _note_ends(processes, exit_order):
+    """Append the ranks that have ended since the last look, in the order they ended as far
+    as can be told: a warm rank's server reports exits in order; fresh ranks are polled."""
+    ended = [key for key, proc in processes.items() if key not in exit_order and proc.poll() is not None]
+    exit_order += sorted(ended, key=lambda key: getattr(processes[key], "exit_sequence", 0))
 
 
 def _read_ready(selector, partial, emit, wait, flush=False) -> int:
@@ -332,9 +373,12 @@ def _failure(result, timeout):
             f"timed out after {timeout:g} s; stopped ranks {running}. A rank that never returns is "
             "usually waiting in a collective that another rank never entered, or on a recv "
             "that has no matching send. Raise timeout= if the work is just slow.", result=result)
-    # The first rank that exited with an error (not one we stopped ourselves, code < 0).
-    failed = [(r, c) for r, c in result.returncodes.items() if c not in (0, None)]
-    errors = [(r, c) for r, c in failed if c > 0] or failed
+    # The first rank that ended with an error by itself: the others' errors ("Connection closed
+    # by peer") are usually its echo. Under torchrun, the agent's summary names it.
+    errors = [(r, result.returncodes[r]) for r in result.exit_order if result.returncodes.get(r) not in (0, None)]
+    if not errors:
+        failed = [(r, c) for r, c in result.returncodes.items() if c not in (0, None)]
+        errors = [(r, c) for r, c in failed if c > 0] or failed  # not one we stopped (code < 0)
     if not errors:  # torchrun failed, and its summary named no rank (e.g. the rendezvous failed)
         tail = "\n".join(result.agent_output[-TAIL_LINES:]) or "(no output)"
         return LaunchError(f"torchrun failed with exit code {result.agent_returncode} and named no "

@@ -1,8 +1,9 @@
 """The first code cell of every chapter: ``spike_course.notebook.setup("03_data_parallel")``.
 
 It seeds, creates the folder the chapter's ``%%writefile`` cells write their worker
-scripts to (``%%writefile`` does not create folders), and prints what hardware this
-kernel sees, so a learner knows from the start whether the chapter will run on GPUs.
+scripts to (``%%writefile`` does not create folders), prints what hardware this kernel
+sees, so a learner knows from the start whether the chapter will run on GPUs, and starts
+the warm start server in the background, so that the chapter's first launch is quick too.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from pathlib import Path
 
 def setup(stem: str, seed: int = 0, quiet: bool = False) -> Path:
     """Prepare chapter ``stem`` (e.g. "03_data_parallel") and return its workers folder."""
+    from .launcher import prestart_warm_server
     from .runtime import seed_everything
 
+    prestart_warm_server()
     seed_everything(seed)
     workers = Path("workers") / stem
     workers.mkdir(parents=True, exist_ok=True)

@@ -232,8 +232,9 @@ def _wait_for_idle_gloo_threads(timeout: float = 1.0) -> None:
 def _watch_parent() -> None:
     """Exit if the notebook kernel that launched us dies, so no rank is left orphaned.
 
-    spawn mode also asks the kernel for SIGKILL-on-parent-death, but torchrun's workers
-    are the kernel's grandchildren and need this watchdog.
+    A fresh rank also has SIGKILL-on-parent-death from the kernel, and a warm one from its
+    server (which dies with the kernel), but torchrun's workers are the kernel's
+    grandchildren and need this watchdog.
     """
     parent = os.environ.get(PARENT_PID_ENV)
     if not parent:

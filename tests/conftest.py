@@ -1,17 +1,62 @@
+import contextlib
 import os
+import subprocess
 
 import psutil
 import pytest
 
+from spike_course import warm
+
 os.environ.setdefault("SPIKE_COURSE_DATA", "synthetic")
+
+PROCESSES = "processes"  # the marker `make quick` leaves out
+
+
+def pytest_collection_modifyitems(items):
+    # Every notebook cell that nbval runs lives in a kernel, a process of its own.
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(PROCESSES)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _processes_refused_unless_marked(item):
+        return (yield)  # fixtures too: a module-scoped one may launch the ranks its tests read
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _processes_refused_unless_marked(item):
+        return (yield)
+
+
+@contextlib.contextmanager
+def _processes_refused_unless_marked(item):
+    """A test that starts a process (a rank, a kernel, torchrun, a compiler) must say so with
+    @pytest.mark.processes, so that `make quick` can leave it out and stay quick."""
+    if item.get_closest_marker(PROCESSES):
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{item.nodeid} starts a process: mark it @pytest.mark.{PROCESSES}")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(os, "fork", refuse)
+        patch.setattr(warm.WarmJob, "start", refuse)  # a warm server forks ranks for the test
+        yield
 
 
 @pytest.fixture
 def no_orphans():
-    """Fail a test that leaves any child process of this test process behind."""
+    """Fail a test that leaves any child process of this test process behind. The warm start
+    server lives as long as the test process, by design; its ranks must not."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    servers = set(warm.server_pids())
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before | servers]
     gone, alive = psutil.wait_procs(left, timeout=2)
     assert not alive, f"processes left behind: {[p.cmdline() for p in alive]}"
 

@@ -31,7 +31,7 @@ SHOTS = ROOT / "_build" / "browser"
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.processes]  # JupyterLab and Chromium
 
 
 @pytest.fixture

@@ -204,6 +204,7 @@ def one_process():
     return _one_process()
 
 
+@pytest.mark.processes
 def test_the_solution_passes_with_one_allreduce(worker, no_orphans, one_process, capsys):
     job = spike_course.launch(worker(_solution_worker()), nproc=2, echo=False, progress=False, timeout=120)
     assert [job.reports[r]["collectives"] for r in range(2)] == [{"allreduce_": 1}] * 2
@@ -217,6 +218,7 @@ def test_the_solution_passes_with_one_allreduce(worker, no_orphans, one_process,
     (dict(drop="    flat /= dist.get_world_size()\n"), "summed but not averaged: they are 2 times too big"),
     (dict(drop="        offset += g.numel()\n"), "slices are misaligned: conv1.bias.grad"),
 ], ids=["one-allreduce-per-parameter", "not-copied-back", "not-divided", "offset-not-advanced"])
+@pytest.mark.processes
 def test_planted_mistakes_are_named(planted, expected, worker, no_orphans, one_process):
     job = spike_course.launch(worker(_planted(**planted)), nproc=2, echo=False, progress=False, timeout=120)
     assert job.ok, job.output

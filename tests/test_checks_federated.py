@@ -60,6 +60,7 @@ PER_TENSOR = """\
 """
 
 
+@pytest.mark.processes
 def test_one_allreduce_per_tensor_is_named(worker, no_orphans):
     """The lecture's version, planted in a copy of the solution's worker: right values, nine
     collectives (one for the counts, one per parameter tensor of the CNN)."""

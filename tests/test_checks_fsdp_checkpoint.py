@@ -77,6 +77,7 @@ def solved(tmp_path_factory):
     return saved, folder / "checkpoint"
 
 
+@pytest.mark.processes
 def test_the_solution_passes(solved, capsys):
     saved, checkpoint = solved
     checks.check_fsdp2_checkpoint(saved, checkpoint, planted_load())
@@ -113,6 +114,7 @@ dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, che
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("shard, save, message", [
     (OPTIMIZER_FIRST, None, r"never trained.*created before fully_shard"),
     (ROOT_ONLY, None, r"layers\.0, layers\.1 are not FSDP units of their own"),
@@ -129,6 +131,7 @@ def test_a_worker_mistake_is_named(worker, tmp_path, no_orphans, shard, save, me
 
 # --- mistakes the workers' reports show, without another launch ---
 
+@pytest.mark.processes
 def test_the_blank_worker_is_named(solved):
     saved, checkpoint = solved
     blank = replace(saved, returncodes={0: 1, 1: 1}, reports={}, output={
@@ -137,6 +140,7 @@ def test_the_blank_worker_is_named(solved):
         checks.check_fsdp2_checkpoint(blank, checkpoint, planted_load())
 
 
+@pytest.mark.processes
 def test_a_root_left_unsharded_is_named(solved):
     saved, checkpoint = solved
     results = {r: {**report, "units": ["layers.0", "layers.1"]} for r, report in saved.reports.items()}
@@ -144,6 +148,7 @@ def test_a_root_left_unsharded_is_named(solved):
         checks.check_fsdp2_checkpoint(replace(saved, reports=results), checkpoint, planted_load())
 
 
+@pytest.mark.processes
 def test_saving_on_rank_0_only_is_named(solved):
     """dcp.save under `if rank == 0`: rank 0 waits in the save's collective until the 60 s
     timeout (too slow to launch here), after both ranks reported what they trained."""
@@ -189,6 +194,7 @@ BLANK = """\
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("body, message", [
     (MODEL_LOADED_ONLY, r"optimizer has no state"),
     (PLAIN_STATE_DICTS, r"optimizer has no state.*optimizer\.state_dict\(\) gives dcp\.load nothing"),

@@ -65,6 +65,7 @@ def check(runs):
                            global_batch=GLOBAL_BATCH, lr=LR)
 
 
+@pytest.mark.processes
 def test_the_solution_passes_and_prints_the_parameter_gap(solution, capsys):
     runs, _ = solution
     check(runs)
@@ -90,6 +91,7 @@ lr = args.lr * ctx.world_size   # "linear scaling" with the number of GPUs
 """
 
 
+@pytest.mark.processes
 def test_planted_per_rank_batch_kept_is_named(solution, worker, tmp_path, no_orphans):
     """On 2 ranks this plant computes what the solution does (global batch // 2), so the
     solution's 2-rank runs and checkpoint serve; only the resume on 1 rank differs."""
@@ -98,12 +100,14 @@ def test_planted_per_rank_batch_kept_is_named(solution, worker, tmp_path, no_orp
         check(resume_from_the_solutions_checkpoint(solution, script, tmp_path))
 
 
+@pytest.mark.processes
 def test_planted_lr_times_world_size_is_named(worker, tmp_path, no_orphans):
     script = worker(plant(solution_worker(), 0, LR_TIMES_WORLD_SIZE))
     with pytest.raises(CheckFailed, match="learning rate scaled with the number of ranks"):
         check(launch_all(script, tmp_path))
 
 
+@pytest.mark.processes
 def test_planted_position_in_one_ranks_samples_is_named(solution, worker, tmp_path, no_orphans):
     """Samples seen counted on one rank (step x per-rank batch): the resume on 1 rank reads
     half the steps. The uninterrupted run never saves, so the solution's serves."""
@@ -129,6 +133,7 @@ def resume_from_the_solutions_checkpoint(solution, script, tmp_path):
     return {**runs, "resumed": run(script, 1, "--ckpt", ckpt)}
 
 
+@pytest.mark.processes
 def test_planted_epoch_left_at_zero_is_named(solution, worker, tmp_path, no_orphans):
     script = worker(plant(solution_worker(), 2, """\
     step = state["samples_seen"] // args.global_batch
@@ -138,6 +143,7 @@ def test_planted_epoch_left_at_zero_is_named(solution, worker, tmp_path, no_orph
         check(resume_from_the_solutions_checkpoint(solution, script, tmp_path))
 
 
+@pytest.mark.processes
 def test_planted_scheduler_not_restored_is_named(solution, worker, tmp_path, no_orphans):
     source = solution_worker()
     line = '    scheduler.load_state_dict(state["scheduler"])\n'
@@ -147,6 +153,7 @@ def test_planted_scheduler_not_restored_is_named(solution, worker, tmp_path, no_
         check(resume_from_the_solutions_checkpoint(solution, script, tmp_path))
 
 
+@pytest.mark.processes
 def test_a_global_batch_that_does_not_divide_is_refused(worker, no_orphans):
     script = worker(solution_worker())
     with pytest.raises(LaunchError, match="does not divide into 3"):
@@ -196,6 +203,7 @@ MISTAKES = {
 }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_reported_mistakes_are_named(solution, name):
     edit, message = MISTAKES[name]
@@ -203,12 +211,14 @@ def test_reported_mistakes_are_named(solution, name):
         check(edited(solution, edit))
 
 
+@pytest.mark.processes
 def test_nothing_reported_is_named(solution):
     runs = dict(solution[0], resumed={})
     with pytest.raises(CheckFailed, match="resumed run reported nothing"):
         check(runs)
 
 
+@pytest.mark.processes
 def test_lrs_that_agree_to_rounding_pass(solution, capsys):
     """A closed-form schedule (lr * gamma ** k) may differ from the chained one in the last bit."""
     check(edited(solution, lambda u, f, r: scale_lr(r, 1 + 2 ** -52)))

@@ -167,11 +167,13 @@ def solution_results(runs):
     return runs["solution"]
 
 
+@pytest.mark.processes
 def test_solution_fits(solution_results, capsys):
     check_fits_budget(solution_results, BUDGET)
     assert "check passed" in capsys.readouterr().out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", sorted(PLANTED))
 def test_planted_mistake_is_named(runs, name):
     with pytest.raises(CheckFailed, match=PLANTED[name][2]):
@@ -185,6 +187,7 @@ def altered(results, run="fit", **changes):
     return results
 
 
+@pytest.mark.processes
 def test_accumulated_micro_batches_are_named(solution_results):
     # 8 micro-batches of 1 fit the budget without checkpointing; the sums come in another order
     micro = costmodel.activation_bytes(1, 16, 32, 64, 2, 4, 64)

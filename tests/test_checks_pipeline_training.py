@@ -51,6 +51,7 @@ def launched(tmp_path_factory, data_file):
                                echo=False, progress=False, timeout=240).reports
 
 
+@pytest.mark.processes
 def test_solution_passes(launched, data_file, capsys):
     check_pipeline_training(launched, data_file)
     assert "check passed" in capsys.readouterr().out
@@ -71,6 +72,7 @@ MISTAKES = {
 }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_each_mistake_is_named(launched, data_file, name):
     with pytest.raises(CheckFailed, match=MISTAKES[name][1]):

@@ -87,6 +87,7 @@ def run(worker, layer_source):
     return result, unsharded_reference(result.reports[0]["problem"])
 
 
+@pytest.mark.processes
 def test_the_solution_passes(worker, no_orphans, capsys):
     result, reference = run(worker, LAYER)
     assert result.ok
@@ -94,6 +95,7 @@ def test_the_solution_passes(worker, no_orphans, capsys):
     assert "check passed" in capsys.readouterr().out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
     regions, message = MISTAKES[mistake]

@@ -56,11 +56,13 @@ def launched(tmp_path_factory):
                                echo=False, progress=False, timeout=240).reports
 
 
+@pytest.mark.processes
 def test_solution_passes(launched, capsys):
     check_tp_plan(launched)
     assert "check passed" in capsys.readouterr().out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_each_mistake_is_named(launched, name):
     with pytest.raises(CheckFailed, match=MISTAKES[name][1]):

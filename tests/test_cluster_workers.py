@@ -18,6 +18,8 @@ from spike_course import launch, workers
 from spike_course.cluster_image import import_blocker
 from spike_course.protocol import COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV
 
+pytestmark = pytest.mark.processes  # most tests here start ranks, torchrun or kernels
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_SIDE = ("spike_course.launcher", "spike_course.progress", "spike_course.widgets",
                  "psutil", "ipywidgets", "matplotlib")
@@ -75,6 +77,7 @@ TIMEOUT_PROBE = """
 import torch
 import torch.distributed as dist
 from spike_course import runtime
+
 
 ctx = runtime.setup()
 seconds = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()

@@ -8,8 +8,11 @@ import pytest
 
 from spike_course import edition
 
+pytestmark = pytest.mark.processes  # most tests here start ranks, torchrun or kernels
+
 FIGURE = """\
 import matplotlib.pyplot as plt
+
 plt.plot([0, 1], [1, 0])
 plt.show()"""
 

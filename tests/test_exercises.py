@@ -75,6 +75,7 @@ def test_the_course_exercises_are_in_sync():
     assert exercises.drift(ROOT / "solutions", ROOT / "exercises") == []
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("path", EXERCISES, ids=[p.stem for p in EXERCISES])
 def test_blank_exercise_runs_and_every_check_fails(path):
     """The scaffolding runs (cells not tagged raises-exception must pass, as under nbval),
@@ -90,6 +91,7 @@ def test_blank_exercise_runs_and_every_check_fails(path):
                                        f"{cell['source']}\n{cell['error']}")
 
 
+@pytest.mark.processes
 def test_grade_runs_the_course_checks_not_the_learners(tmp_path):
     """A check cell edited to pass still fails a wrong (here: blank) answer: grade puts the
     course's check back before it runs the notebook."""

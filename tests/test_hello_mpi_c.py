@@ -47,6 +47,7 @@ def test_every_rank_that_waits_posted_its_request(c_source):
             assert "MPI_Isend" in branch or "MPI_Irecv" in branch, branch
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not shutil.which("gcc"), reason="needs gcc")
 def test_declares_everything_it_uses(c_source, tmp_path):
     (tmp_path / "mpi.h").write_text(STUB_MPI_H)
@@ -55,6 +56,7 @@ def test_declares_everything_it_uses(c_source, tmp_path):
     assert run.returncode == 0, run.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not (shutil.which("mpicc") and shutil.which("mpirun")), reason="needs an MPI")
 def test_runs_on_two_ranks(c_source, tmp_path):
     binary = tmp_path / "hello_mpi"

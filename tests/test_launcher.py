@@ -1,4 +1,5 @@
-"""The launcher's contract (README, "How a chapter runs distributed code"): results, failures, timeouts, no orphans."""
+"""The launcher's contract (README, "How a chapter runs distributed code"): results, failures,
+timeouts, no orphans, for each way of starting ranks (warm, fresh, torchrun)."""
 
 import threading
 import time
@@ -6,6 +7,8 @@ import time
 import pytest
 
 from spike_course import LaunchError, launch
+
+pytestmark = pytest.mark.processes  # most tests here start ranks, torchrun or kernels
 
 HELLO = """
 import torch, torch.distributed as dist
@@ -35,7 +38,10 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+LAUNCHERS = ["warm", "fresh", "torchrun"]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_results_come_back_from_every_rank(worker, no_orphans, launcher):
     result = launch(worker(HELLO), nproc=3, launcher=launcher, echo=False)
     assert result.ok
@@ -65,7 +71,7 @@ def test_output_is_tagged_with_the_rank(worker, capsys):
     assert "[rank 1] rank 1 of 2: sum of ranks 1" in printed
 
 
-@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_crashing_rank_stops_the_others(worker, no_orphans, launcher):
     started = time.perf_counter()
     with pytest.raises(LaunchError) as caught:
@@ -79,11 +85,30 @@ def test_a_crashing_rank_stops_the_others(worker, no_orphans, launcher):
     assert elapsed < 60, f"took {elapsed:.0f} s: the waiting ranks were not stopped"
 
 
-def test_a_hanging_worker_times_out(worker, no_orphans):
+@pytest.mark.parametrize("launcher", ["warm", "fresh"])
+def test_a_hanging_worker_times_out(worker, no_orphans, launcher):
     started = time.perf_counter()
-    with pytest.raises(LaunchError, match="timed out after 5 s"):
-        launch(worker(HANG), nproc=2, timeout=5, echo=False)
+    with pytest.raises(LaunchError, match="timed out after 2 s"):
+        launch(worker(HANG), nproc=2, timeout=2, echo=False, launcher=launcher)
     assert time.perf_counter() - started < 20
+
+
+# Rank 1 is killed outright (as the kernel's OOM killer would) while rank 0 waits for it.
+KILLED_IN_COLLECTIVE = """
+import os, signal, torch, torch.distributed as dist
+from spike_course import runtime
+ctx = runtime.setup(timeout=600)
+if ctx.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.all_reduce(torch.zeros(1))
+"""
+
+
+@pytest.mark.parametrize("launcher", ["warm", "fresh"])
+def test_a_rank_killed_by_a_signal_is_named_with_its_signal(worker, no_orphans, launcher):
+    with pytest.raises(LaunchError, match="rank 1 failed with exit code -9") as caught:
+        launch(worker(KILLED_IN_COLLECTIVE), nproc=2, launcher=launcher, echo=False, timeout=120)
+    assert caught.value.rank == 1 and caught.value.result.returncodes[1] == -9
 
 
 def test_check_false_returns_the_failure(worker, no_orphans):
@@ -184,23 +209,11 @@ launch(sys.argv[1], nproc=2, launcher=sys.argv[2], timeout=300)
 """
 
 
-def _processes_running(script):
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if str(script) in " ".join(proc.info["cmdline"] or []):
-                found.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
 @pytest.mark.parametrize("how", ["interrupt", "kill"])
-@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_interrupt_or_crash_of_the_notebook_leaves_no_rank(worker, launcher, how):
-    """Ctrl-C in the cell (SIGINT), or a dead kernel (SIGKILL): no rank survives either."""
+    """Ctrl-C in the cell (SIGINT), or a dead kernel (SIGKILL): no rank survives either, nor
+    the warm start server or torchrun's agent: every process the notebook's launch started."""
     import signal
     import subprocess
     import sys
@@ -216,13 +229,190 @@ def test_interrupt_or_crash_of_the_notebook_leaves_no_rank(worker, launcher, how
         if ready == 2:
             break
     assert ready == 2
+    started = psutil.Process(parent.pid).children(recursive=True)
+    assert len(started) >= 2
     parent.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
     parent.wait(timeout=30)
     deadline = time.monotonic() + 15
-    while _processes_running(script) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = _processes_running(script)
+    while _running(started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _running(started)
     for proc in left:
         proc.kill()
-    psutil.wait_procs(left, timeout=5)
-    assert not left, f"{len(left)} processes outlived the {how} of their launcher"
+    assert not left, f"{[p.pid for p in left]} of {[p.pid for p in started]} outlived the {how} of their launcher"
+
+
+def _running(processes):
+    """Those still running (a zombie has ended: it waits only for its exit code to be read)."""
+    import psutil
+
+    running = []
+    for proc in processes:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                running.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+# --- the warm start: ranks forked from a server that imported torch once ------------------
+
+# Everything a rank can see of how it was started, read before it imports anything heavy.
+REPORT_HOW_I_WAS_STARTED = """
+import os
+ENVIRONMENT = dict(os.environ)
+import signal, sys
+import __main__
+import threadpoolctl, torch
+from spike_course import runtime
+
+runtime.report(
+    env={k: v for k, v in ENVIRONMENT.items() if k not in ("MASTER_PORT", "SPIKE_COURSE_RESULTS_DIR")},
+    threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
+    blas_threads=sorted((i["internal_api"], i["num_threads"]) for i in threadpoolctl.threadpool_info()),
+    cwd=os.getcwd(), argv=sys.argv, path=sys.path, file=__file__, name=__name__,
+    main_is_this_module=sys.modules["__main__"] is __main__,
+    main_names=sorted(name for name in vars(__main__) if name.startswith("__")),
+    loader=type(__loader__).__name__, spec=__spec__, flags=str(sys.flags),
+    own_session=os.getsid(0) == os.getpid(), stdin=sys.stdin.read(),
+    stdout_is_stderr=os.readlink("/proc/self/fd/1") == os.readlink("/proc/self/fd/2"),
+    open_fds=sorted(os.listdir("/proc/self/fd")),
+    signals={s.name: str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD,
+                                                         signal.SIGPIPE, signal.SIGUSR1)},
+    cuda_initialized=torch.cuda.is_initialized(), grad_enabled=torch.is_grad_enabled(),
+    stdout_encoding=sys.stdout.encoding, course_modules_loaded_at_start=sorted(
+        m for m in sys.modules if m.startswith("spike_course") and m != "spike_course.runtime"
+        and m != "spike_course.protocol" and m != "spike_course"),
+    # drawn from generators that a fresh interpreter seeds from the OS: compared across ranks
+    draws=[__import__("random").random(), __import__("numpy").random.rand(), torch.initial_seed()],
+)
+"""
+
+
+@pytest.mark.parametrize("nproc, omp_threads", [(1, None), (3, None), (2, 3)])
+def test_a_warm_rank_sees_what_a_fresh_rank_sees(worker, no_orphans, nproc, omp_threads):
+    script = worker(REPORT_HOW_I_WAS_STARTED, "report.py")
+    runs = {how: launch(script, nproc=nproc, args=["--flag", "a b"], launcher=how, echo=False,
+                        omp_threads=omp_threads).reports for how in ("fresh", "warm")}
+    draws = {how: [tuple(reports[rank].pop("draws")) for rank in range(nproc)] for how, reports in runs.items()}
+    for rank in range(nproc):
+        fresh, warm_ = runs["fresh"][rank], runs["warm"][rank]
+        assert warm_ == fresh, {k: (fresh[k], warm_[k]) for k in fresh if fresh[k] != warm_[k]}
+    # Each rank seeds its own generators from the OS, as a fresh interpreter does.
+    assert len(set(draws["fresh"] + draws["warm"])) == 2 * nproc, draws
+
+
+def test_a_helper_module_edited_between_launches_takes_effect(worker, no_orphans):
+    """The server imports only torch and its kin: a worker's own modules, and spike_course,
+    are imported fresh by every rank."""
+    script = worker("import helper\nfrom spike_course import runtime\nruntime.report(answer=helper.ANSWER)\n")
+    helper = script.parent / "helper.py"
+    helper.write_text("ANSWER = 1\n")
+    assert launch(script, nproc=2, echo=False).reports[1] == {"answer": 1}
+    helper.write_text("ANSWER = 'edited'\n")
+    assert launch(script, nproc=2, echo=False).reports[1] == {"answer": "edited"}
+
+
+# The rank prints, then waits until the test has seen that line in the cell's output.
+PRINT_THEN_WAIT = """
+import os, sys, time
+print("waiting for the notebook to see this line", flush=True)
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("released" if os.path.exists(sys.argv[1]) else "never released", flush=True)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["warm", "fresh"])
+def test_output_reaches_the_cell_while_the_rank_runs(worker, tmp_path, monkeypatch, launcher):
+    import io
+    import sys
+
+    seen = tmp_path / "seen"
+
+    class Cell(io.StringIO):
+        def write(self, text):
+            if "[rank 0] waiting for the notebook" in text:
+                seen.touch()
+            return super().write(text)
+
+    cell = Cell()
+    monkeypatch.setattr(sys, "stdout", cell)
+    result = launch(worker(PRINT_THEN_WAIT), nproc=1, args=[seen], launcher=launcher, timeout=120)
+    assert result.output[0] == ["waiting for the notebook to see this line", "released"]
+    assert "[rank 0] released" in cell.getvalue()
+
+
+def test_launches_share_one_warm_server(worker, no_orphans):
+    from spike_course import warm
+
+    script = worker(HELLO)
+    launch(script, nproc=2, echo=False)
+    servers = warm.server_pids()
+    launch(script, nproc=3, echo=False)
+    assert warm.server_pids() == servers and len(servers) == 1
+
+
+# Put on the server's PYTHONPATH: SIGUSR1 makes it start a thread, after which forking
+# from it is no longer safe.
+THREAD_ON_SIGUSR1 = """
+import signal, threading, time
+signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=time.sleep, args=(600,), daemon=True).start())
+"""
+
+
+def test_a_server_that_runs_a_thread_refuses_to_fork_and_the_launch_starts_fresh(worker, tmp_path, capsys,
+                                                                                  no_orphans):
+    import os
+    import signal
+
+    from spike_course import warm
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(THREAD_ON_SIGUSR1)
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    script = worker(HELLO)
+    before = set(warm.server_pids())
+    assert launch(script, nproc=2, env=env).ok  # warm: this environment gets its own server
+    assert "fresh interpreters" not in capsys.readouterr().out
+    (server,) = set(warm.server_pids()) - before
+    os.kill(server, signal.SIGUSR1)
+    time.sleep(1)
+    result = launch(script, nproc=2, env=env)
+    printed = capsys.readouterr().out
+    assert result.ok and result.reports[1]["total"] == 1.0
+    assert ("[launch] starting fresh interpreters: the warm start server refused to fork "
+            "(the server runs 2 threads)") in printed
+    assert server not in warm.server_pids()  # a tainted server is not used again
+
+
+def test_fork_hazards_name_threads_and_cuda():
+    import subprocess
+    import sys
+
+    program = """
+import sys, threading, time, types
+from spike_course.warm_server import fork_hazards
+
+print(fork_hazards())
+threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+print(fork_hazards())
+sys.modules["torch"] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
+print(fork_hazards())
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines() == [
+        "[]", "['the server runs 2 threads']",
+        "['the server runs 2 threads', 'the server has initialised CUDA']"], done.stderr
+
+
+def test_where_fork_is_unsafe_the_launch_starts_fresh_and_says_why(worker, monkeypatch, capsys):
+    from spike_course import warm
+
+    monkeypatch.setattr(warm.sys, "platform", "darwin")
+    result = launch(worker(HELLO), nproc=2)
+    assert result.ok
+    assert "[launch] starting fresh interpreters: fork is not safe on darwin (Linux only)" in capsys.readouterr().out

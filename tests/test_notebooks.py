@@ -47,6 +47,7 @@ def test_every_chapter_has_its_lecture_and_matching_exercise():
     assert {p.stem for p in (ROOT / "exercises").glob("*.ipynb")} == solutions
 
 
+@pytest.mark.processes
 def test_what_a_notebook_imports_leaves_the_document_libraries_out():
     """The kernel imports spike_course's checks, viz, widgets...; none of them may pull in
     nbformat (about 2 s here: its schema validator compiles format grammars at import),

@@ -213,6 +213,15 @@ def _explain_failure(output):
     return f"your script failed under torchrun. The end of its output:\n{tail}"
 
 
+def _unfilled_places(source):
+    """Name the places that still raise NotImplementedError, before any rank is started."""
+    lines = [number for number, line in enumerate(source.splitlines(), 1)
+             if line.strip().startswith("raise NotImplementedError")]
+    if lines:
+        raise CheckFailed(f"lines {lines} of your script still raise NotImplementedError: fill in those "
+                          "places (no rank was started).")
+
+
 def _static_mistakes(source):
     """Mistakes visible in the source, which a CPU run cannot show (device_ids is None there)."""
     tree = ast.parse(source)
@@ -289,6 +298,7 @@ def check_capstone_job(script, folder) -> None:
     script, folder = Path(script).resolve(), (Path(folder) / "capstone_check").resolve()
     if not script.exists():
         raise CheckFailed(f"{script} does not exist: run the %%writefile cell first.")
+    _unfilled_places(script.read_text())
     _static_mistakes(script.read_text())
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / "data.pt"
