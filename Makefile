@@ -7,12 +7,24 @@ BIN     = $(VENV)/bin
 # JupyterLab listens on this machine only unless told otherwise: make lab LAB_IP=0.0.0.0
 LAB_IP   ?= 127.0.0.1
 LAB_PORT ?= 8888
-# Tests use the synthetic digits: same data on every machine, no download.
-export SPIKE_COURSE_DATA ?= synthetic
+# The Pythons the pinned torch (2.14.1) has wheels for; pyproject.toml says the same.
+PYTHON_VERSION = import sys; print("%d.%d" % sys.version_info[:2])
+SUPPORTED      = 3.11 3.12 3.13
 
 .PHONY: lab test quick exercises html workers gpu-check flakiness clean
 
+# Made again when pyproject.toml changes, and whenever the last install did not finish.
+# A .venv that does not run, or that another Python made, is replaced (it says so).
 $(BIN)/spike-course: pyproject.toml
+	@version=$$($(PYTHON) -c '$(PYTHON_VERSION)') || { echo "no $(PYTHON) here: install Python 3.11, 3.12 or 3.13, or name one: make $(MAKECMDGOALS) PYTHON=python3.12"; exit 1; }; \
+	case " $(SUPPORTED) " in *" $$version "*) ;; *) echo "$(PYTHON) is Python $$version; the course needs 3.11, 3.12 or 3.13 (the pinned torch has wheels for those): make $(MAKECMDGOALS) PYTHON=python3.12"; exit 1;; esac; \
+	if [ -e $(VENV) ]; then \
+	  made=$$($(BIN)/python -c '$(PYTHON_VERSION)' 2>/dev/null) || made=broken; \
+	  if [ "$$made" != "$$version" ]; then \
+	    echo "$(VENV) was made by Python $$made, and $(PYTHON) is $$version: removing $(VENV) and making it again"; \
+	    rm -rf $(VENV); \
+	  fi; \
+	fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install -e ".[test]"
@@ -24,6 +36,10 @@ lab: $(BIN)/spike-course
 # Two tests at a time: most of a test's time is spent waiting for the ranks, kernels or
 # torchrun it started, so one test at a time kept only one of two cores busy.
 # --dist loadfile keeps a notebook's cells, and a module's shared launches, on one worker.
+# Tests use the synthetic digits: the same data on every machine, no download. (Not the
+# lab: there a learner's MNIST, in data/MNIST/raw/, is used when it is there.)
+test quick flakiness: export SPIKE_COURSE_DATA = synthetic
+
 test: $(BIN)/spike-course
 	$(BIN)/spike-course exercises --check
 	$(BIN)/python -m pytest -n 2 --dist loadfile

@@ -2,7 +2,7 @@
 
     spike-course lab [--ip 127.0.0.1] [--port 8888]   JupyterLab on the course, token on
     spike-course doctor                               what this machine can do for the course
-    spike-course exercises [--check]                  write exercises/ from solutions/ (or check)
+    spike-course exercises [--check] [--force]        write exercises/ from solutions/, keeping your work
     spike-course run NOTEBOOK [-o OUT]                execute a notebook headless, keep the copy
     spike-course html [--out _build/html]             the rendered edition, a Sphinx site
     spike-course grade NOTEBOOK...                    run learners' exercise notebooks' checks
@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT_MARKERS = ("pyproject.toml", "notebooks")
@@ -41,10 +44,41 @@ def cmd_lab(args) -> int:
         command.append("--allow-root")  # containers (a Run:ai pod, CI) often run as root
     if args.token:  # otherwise JupyterLab makes a random token and prints the URL with it
         command.append(f"--IdentityProvider.token={args.token}")
+    shell = terminal_shell(os.environ.get("SHELL") or "/bin/sh")
+    command.append("--ServerApp.terminado_settings=" + json.dumps({"shell_command": shell}))
     if args.ip not in ("127.0.0.1", "localhost"):
         print(f"warning: JupyterLab will listen on {args.ip}, reachable from other machines; "
               "it still asks for its token", file=sys.stderr)
-    return subprocess.call(command)
+    return subprocess.call(command, env=lab_environment(os.environ))
+
+
+def environment_bin() -> str:
+    """The folder of this environment's python, torchrun and spike-course."""
+    return str(Path(sys.executable).parent)
+
+
+def lab_environment(environ) -> dict:
+    """JupyterLab's environment, which its kernels and terminals inherit: this environment's
+    programs first on PATH, as after `source .venv/bin/activate`."""
+    env = dict(environ)
+    rest = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != environment_bin()]
+    env["PATH"] = os.pathsep.join([environment_bin(), *rest])
+    if Path(sys.prefix, "pyvenv.cfg").exists():
+        env["VIRTUAL_ENV"] = sys.prefix
+    return env
+
+
+def terminal_shell(shell: str) -> list[str]:
+    """The command of a JupyterLab terminal. Left alone, JupyterLab starts a login shell when
+    it has no terminal of its own, and /etc/profile then resets PATH; a ~/.bashrc may put
+    other Pythons first. So bash reads its usual ~/.bashrc and then this environment's bin,
+    last; another shell starts as it is, with PATH from lab_environment."""
+    if Path(shell).name != "bash":
+        return [shell]
+    rc = Path(tempfile.mkdtemp(prefix="spike_course_lab_")) / "bashrc"
+    rc.write_text('[ -f ~/.bashrc ] && . ~/.bashrc\n'
+                  f'export PATH={shlex.quote(environment_bin())}:"$PATH"\n')
+    return [shell, "--rcfile", str(rc)]
 
 
 def doctor_lines() -> list[str]:
@@ -86,16 +120,23 @@ def cmd_exercises(args) -> int:
     root = course_root()
     solutions, target = root / "solutions", root / "exercises"
     if args.check:
-        problems = exercises.drift(solutions, target)
-        for problem in problems:
-            print(problem)
-        if problems:
-            print("run `spike-course exercises` and commit the result")
-            return 1
-        print("exercises/ is in sync with solutions/")
-        return 0
-    for path in exercises.generate(solutions, target):
-        print(f"wrote {path.relative_to(root)}")
+        lines, in_sync = exercises.check(solutions, target)
+        for line in lines:
+            print(line)
+        if not in_sync:
+            print("The course part of exercises/ differs from solutions/. `spike-course exercises` "
+                  "rewrites what holds no work of yours and names what it keeps.")
+        return 0 if in_sync else 1
+    done = exercises.generate(solutions, target, force=args.force)
+    for path, what in done.items():
+        if what != "up to date":
+            print(f"{path.relative_to(root)}: {what}")
+    kept = [path for path, what in done.items() if what.startswith("kept")]
+    if kept:
+        print(f"{len(kept)} notebook(s) kept as they are: they hold your work. To replace them with "
+              "the blank exercise anyway, run `spike-course exercises --force`: each is first "
+              "copied to exercises/backups/.")
+        return 1
     return 0
 
 
@@ -189,7 +230,10 @@ def main(argv=None) -> int:
     lab.set_defaults(func=cmd_lab)
     commands.add_parser("doctor", help="check this machine for the course").set_defaults(func=cmd_doctor)
     exercises = commands.add_parser("exercises", help="write exercises/ from solutions/")
-    exercises.add_argument("--check", action="store_true", help="only check that they are in sync")
+    exercises.add_argument("--check", action="store_true",
+                           help="only check that the course part is in sync (your answers are fine)")
+    exercises.add_argument("--force", action="store_true",
+                           help="replace notebooks that hold your work too (copied to exercises/backups/ first)")
     exercises.set_defaults(func=cmd_exercises)
     run = commands.add_parser("run", help="execute a notebook headless and write the executed copy")
     run.add_argument("notebook")

@@ -174,14 +174,35 @@ def _torchvision_mnist(root, train, download):
         socket.setdefaulttimeout(old)
 
 
+# Where MNIST's files go, in torchvision's layout, for every chapter at once.
+WHERE_MNIST_GOES = ("data/MNIST/raw/ in the course folder (train-images-idx3-ubyte and the other "
+                    "three files, gzipped or not)")
+
+
 def data_source(root: str = "data") -> str:
     """Which source ``load_mnist`` would use, without downloading anything."""
     choice = os.environ.get("SPIKE_COURSE_DATA", "auto")
     if choice == "synthetic":
-        return "synthetic (SPIKE_COURSE_DATA=synthetic)"
-    if _has_files(root):
-        return f"MNIST files under {root}/"
-    return "MNIST download if reachable within seconds, else synthetic digits"
+        return "synthetic digits (SPIKE_COURSE_DATA=synthetic)"
+    found = mnist_root(root)
+    if _has_files(found):
+        return f"MNIST files under {os.path.abspath(found)}/"
+    return f"MNIST download if reachable within seconds, else synthetic digits; MNIST goes in {WHERE_MNIST_GOES}"
+
+
+def mnist_root(root: str = "data") -> str:
+    """``root`` if MNIST is there; else the first ``data`` folder above the working directory
+    that holds it (one copy in the course folder serves notebooks/, solutions/, exercises/
+    and their workers); else ``root``, where a download would go."""
+    if _has_files(root) or os.path.isabs(root) or root != "data":
+        return root
+    here = os.path.abspath(os.getcwd())
+    while True:
+        here, child = os.path.dirname(here), here
+        if here == child:
+            return root
+        if _has_files(os.path.join(here, "data")):
+            return os.path.join(here, "data")
 
 
 def _has_files(root) -> bool:
@@ -196,6 +217,7 @@ def load_mnist(root: str = "data", train: bool = True, limit: int | None = None)
         raise ValueError(f"SPIKE_COURSE_DATA={choice!r}: use 'synthetic', 'mnist' or leave it unset")
     dataset = None
     if choice != "synthetic":
+        root = mnist_root(root)
         try:
             dataset = _torchvision_mnist(root, train, download=False)
         except RuntimeError:  # not on disk
@@ -211,7 +233,7 @@ def load_mnist(root: str = "data", train: bool = True, limit: int | None = None)
                     raise RuntimeError(f"MNIST is not under {root}/ and could not be downloaded ({reason}); "
                                        "unset SPIKE_COURSE_DATA to fall back to synthetic digits") from None
                 _say(f"MNIST not found under {root}/ and not downloadable ({reason}): "
-                     "using synthetic digits of the same shape")
+                     f"using synthetic digits of the same shape. To use MNIST, put it in {WHERE_MNIST_GOES}.")
     if dataset is None:
         return SyntheticDigits(train=train, size=limit, cache_dir=os.path.join(root, "synthetic"))
     if limit is not None:

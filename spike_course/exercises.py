@@ -21,6 +21,8 @@ with the check cells restored from the source (``grading``).
 from __future__ import annotations
 
 import re
+import shutil
+import time
 from pathlib import Path
 
 import nbformat
@@ -83,37 +85,120 @@ def _render(notebook) -> str:
 
 
 def expected_exercises(solutions_dir) -> dict:
-    """{exercise file name: the text it should have}, one per solution notebook."""
-    expected = {}
-    for path in sorted(Path(solutions_dir).glob("*.ipynb")):
-        solution = nbformat.read(path, as_version=4)
-        expected[path.name] = _render(make_exercise(solution, path.name))
-    return expected
+    """{exercise file name: the blank notebook}, one per solution notebook."""
+    return {path.name: make_exercise(nbformat.read(path, as_version=4), path.name)
+            for path in sorted(Path(solutions_dir).glob("*.ipynb"))}
 
 
-def generate(solutions_dir="solutions", exercises_dir="exercises") -> list[Path]:
-    """Write every exercise notebook; return the paths written."""
+def _numbers(numbers) -> str:
+    return ("cell " if len(numbers) == 1 else "cells ") + ", ".join(map(str, numbers))
+
+
+def learner_work(existing, blank) -> list[str]:
+    """What a learner made in ``existing`` (an exercise notebook on disk) that ``blank`` (what
+    solutions/ generates) does not hold: answers (a cell with fewer stubs than the blank's),
+    cells run, cells added. Cells are numbered from 1, as JupyterLab shows them. Empty when
+    the file holds nothing but the course."""
+    course = {cell.get("id"): cell for cell in blank.cells}
+    answered, ran, added = [], [], []
+    for number, cell in enumerate(existing.cells, 1):
+        original = course.get(cell.get("id"))
+        if original is None:
+            if cell.source.strip():
+                added.append(number)
+        elif cell.source.count(STUB) < original.source.count(STUB):
+            answered.append(number)
+        if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count") is not None):
+            ran.append(number)
+    return [f"{_numbers(numbers)} {what}" for numbers, what in
+            ((answered, "answered"), (ran, "run"), (added, "added")) if numbers]
+
+
+def course_drift(existing, blank) -> list[str]:
+    """Where ``existing`` differs from ``blank`` in what the course wrote (its learner's work,
+    as :func:`learner_work` sees it, left aside). Empty when the course part is in sync."""
+    cells = {cell.get("id"): (number, cell) for number, cell in enumerate(existing.cells, 1)}
+    missing, changed = [], []
+    for number, original in enumerate(blank.cells, 1):
+        found = cells.get(original.get("id"))
+        if found is None:
+            missing.append(number)
+        elif found[1].source != original.source and found[1].source.count(STUB) >= original.source.count(STUB):
+            changed.append(found[0])
+    order = [cell.get("id") for cell in existing.cells if cell.get("id") in {c.get("id") for c in blank.cells}]
+    problems = [f"{_numbers(changed)} differ from the course"] if changed else []
+    if missing:
+        problems.append(f"the course's {_numbers(missing)} are missing")
+    if not missing and order != [cell.get("id") for cell in blank.cells]:
+        problems.append("its cells are in another order than the course's")
+    return problems
+
+
+def check(solutions_dir="solutions", exercises_dir="exercises") -> tuple[list[str], bool]:
+    """(one line per exercise notebook, whether the course part of every one is in sync).
+    A learner's answers, outputs and added cells are reported, not counted as drift."""
+    lines, in_sync = [], True
+    for name, blank in expected_exercises(solutions_dir).items():
+        path = Path(exercises_dir) / name
+        if not path.exists():
+            lines.append(f"exercises/{name} is missing: `spike-course exercises` writes it")
+            in_sync = False
+            continue
+        existing = nbformat.read(path, as_version=4)
+        drift, work = course_drift(existing, blank), learner_work(existing, blank)
+        in_sync = in_sync and not drift
+        state = "; ".join(drift) if drift else "in sync with solutions/"
+        lines.append(f"exercises/{name}: {state}" + (f" (holds your work: {'; '.join(work)})" if work else ""))
+    for path in sorted(Path(exercises_dir).glob("*.ipynb")):
+        if not (Path(solutions_dir) / path.name).exists():
+            lines.append(f"exercises/{path.name} has no solutions/{path.name}")
+            in_sync = False
+    return lines, in_sync
+
+
+def generate(solutions_dir="solutions", exercises_dir="exercises", force: bool = False) -> dict:
+    """Write every exercise notebook that is missing or out of date, but never over a
+    learner's work unless ``force``, and then only after copying it to
+    ``exercises/backups/``. Returns {path: "written", "up to date", "kept: <work>" or
+    "written (your copy: <backup>)"}."""
     exercises_dir = Path(exercises_dir)
     exercises_dir.mkdir(exist_ok=True)
-    written = []
-    for name, text in expected_exercises(solutions_dir).items():
-        path = exercises_dir / name
+    done = {}
+    for name, blank in expected_exercises(solutions_dir).items():
+        path, text = exercises_dir / name, _render(blank)
+        if path.exists() and path.read_text() == text:
+            done[path] = "up to date"
+            continue
+        work = learner_work(nbformat.read(path, as_version=4), blank) if path.exists() else []
+        if work and not force:
+            done[path] = "kept: it holds your work (" + "; ".join(work) + ")"
+            continue
+        done[path] = "written"
+        if work:
+            done[path] += f" (your copy: {_back_up(path)})"
         path.write_text(text)
-        written.append(path)
-    return written
+    return done
+
+
+def _back_up(path: Path) -> Path:
+    backups = path.parent / "backups"
+    backups.mkdir(exist_ok=True)
+    copy = backups / f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.ipynb"
+    shutil.copy2(path, copy)
+    return copy
 
 
 def drift(solutions_dir="solutions", exercises_dir="exercises") -> list[str]:
-    """What is out of sync between solutions/ and exercises/ (empty when in sync)."""
-    expected = expected_exercises(solutions_dir)
+    """Every difference between exercises/ and what solutions/ generates, answers included
+    (empty when each file is exactly the blank): what the course itself must ship."""
     problems = []
-    for name, text in expected.items():
+    for name, blank in expected_exercises(solutions_dir).items():
         path = Path(exercises_dir) / name
         if not path.exists():
             problems.append(f"exercises/{name} is missing")
-        elif path.read_text() != text:
+        elif path.read_text() != _render(blank):
             problems.append(f"exercises/{name} differs from what solutions/{name} generates")
     for path in sorted(Path(exercises_dir).glob("*.ipynb")):
-        if path.name not in expected:
+        if not (Path(solutions_dir) / path.name).exists():
             problems.append(f"exercises/{path.name} has no solutions/{path.name}")
     return problems

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -140,22 +141,43 @@ def shut_down_servers() -> None:
 def start_ranks(python: str, script: str, args: list, env: dict, rank_envs: dict) -> dict | None:
     """Fork one rank per entry of ``rank_envs`` ({rank: its variables}) running ``script`` with
     ``args``; {rank: WarmRank}, or None (and one printed line saying why) to start fresh."""
+    ranks, why = _fork_ranks(python, script, args, env, rank_envs)
+    if ranks is None:
+        print(f"[launch] starting fresh interpreters: {why}", flush=True)
+    return ranks
+
+
+def _fork_ranks(python, script, args, env, rank_envs) -> tuple[dict | None, str]:
     why = unavailable_reason(env)
-    server = None
-    if why is None:
-        server = _server(python, env)
-        if not server.wait_until_ready():
-            why = f"the warm start server did not start: {server.problem.strip().splitlines()[-1]}"
-            _forget(server)
-    if why is None:
-        job = WarmJob(server.open_launch())
-        ranks = job.start(script, args, os.getcwd(), {rank: {**env, **extra} for rank, extra in rank_envs.items()})
-        if ranks is not None:
-            return ranks
-        why = f"the warm start server refused to fork ({job.refused})"
+    if why:
+        return None, why
+    server = _server(python, env)
+    if not server.wait_until_ready():
         _forget(server)
-    print(f"[launch] starting fresh interpreters: {why}", flush=True)
-    return None
+        return None, f"the warm start server did not start: {server.problem.strip().splitlines()[-1]}"
+    envs = {rank: {**env, **extra} for rank, extra in rank_envs.items()}
+    try:
+        job = WarmJob(server.open_launch())
+        ranks = job.start(script, args, os.getcwd(), envs)
+        why = f"the warm start server refused to fork ({job.refused})"
+    except OSError as error:  # it died since the last launch (killed, out of memory)
+        ranks, why = None, f"the warm start server stopped ({error})"
+    if ranks is None:
+        _forget(server)  # a refusing server stays unsafe: the next launch starts another
+    return ranks, why
+
+
+def _ignored_signals() -> list[int]:
+    """The signals this process ignores, which a fresh rank would inherit (subprocess resets
+    SIGPIPE and SIGXFSZ, which Python itself ignores, before it starts a program)."""
+    ignored = []
+    for signum in signal.valid_signals() - {signal.SIGPIPE, signal.SIGXFSZ}:
+        try:
+            if signal.getsignal(signum) is signal.SIG_IGN:
+                ignored.append(int(signum))
+        except ValueError:
+            pass
+    return ignored
 
 
 class WarmJob:
@@ -170,6 +192,7 @@ class WarmJob:
     def start(self, script: str, args: list, cwd: str, envs: dict) -> dict | None:
         pipes = {rank: os.pipe() for rank in envs}
         request = {"script": str(script), "argv": [str(a) for a in args], "cwd": cwd,
+                   "ignored_signals": _ignored_signals(),
                    "ranks": [{"rank": rank, "env": env} for rank, env in envs.items()]}
         send(self.sock, request, [write for _, write in pipes.values()])
         for _, write in pipes.values():

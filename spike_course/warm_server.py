@@ -74,6 +74,15 @@ def receive(sock: socket.socket):
     return (json.loads(data) if data else None), fds
 
 
+def _tell(launch: socket.socket, message: dict) -> None:
+    """Send to a launch that may have ended meanwhile (its end of file then comes through the
+    loop, which kills what it left running)."""
+    try:
+        send(launch, message)
+    except OSError:
+        pass
+
+
 def fork_hazards() -> list[str]:
     """Why forking from this process now would be unsafe (empty when it is safe)."""
     hazards = []
@@ -130,7 +139,7 @@ class Server:
         if hazards:
             for fd in fds:
                 os.close(fd)
-            send(launch, {"refused": "; ".join(hazards)})
+            _tell(launch, {"refused": "; ".join(hazards)})
             return
         pids = []
         for rank, out in zip(message["ranks"], fds):
@@ -149,7 +158,7 @@ class Server:
             self.ranks[pid] = launch
         for fd in fds:
             os.close(fd)
-        send(launch, {"pids": pids})
+        _tell(launch, {"pids": pids})
 
     def _reap(self) -> None:
         while True:
@@ -163,10 +172,7 @@ class Server:
                 return
             launch = self.ranks.pop(pid, None)
             if launch is not None:
-                try:
-                    send(launch, {"pid": pid, "exitcode": os.waitstatus_to_exitcode(status)})
-                except OSError:  # the launcher has gone already
-                    pass
+                _tell(launch, {"pid": pid, "exitcode": os.waitstatus_to_exitcode(status)})
 
     def _kill(self, pids) -> None:
         for pid in pids:
@@ -184,9 +190,7 @@ class Server:
         if os.getppid() != server:  # the server died before prctl took effect
             os._exit(1)
         signal.set_wakeup_fd(-1)
-        for signum in (signal.SIGCHLD, signal.SIGTERM):
-            signal.signal(signum, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _signals_as_fresh(message["ignored_signals"])
         for key in list(self.selector.get_map().values()):
             if isinstance(key.fileobj, socket.socket):
                 key.fileobj.close()
@@ -207,6 +211,21 @@ class Server:
         sys.argv = [message["script"], *message["argv"]]
         sys.path[0] = os.path.dirname(os.path.realpath(message["script"]))  # as Python sets it
         _exit_like_python(*_run_as_main(os.path.abspath(message["script"])))
+
+
+def _signals_as_fresh(ignored: list[int]) -> None:
+    """Signal handling as a fresh interpreter started by the launcher would have it: what the
+    launcher ignores stays ignored across exec, the rest is reset; then Python ignores
+    SIGPIPE and SIGXFSZ and turns SIGINT into KeyboardInterrupt, unless SIGINT is ignored."""
+    for signum in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+        try:
+            signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.SIG_DFL)
+        except (OSError, ValueError):  # one the C library keeps for itself
+            pass
+    for signum in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(signum, signal.SIG_IGN)
+    if signal.SIGINT not in ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _take_fresh_thread_counts(env: dict, torch_default: int) -> None:

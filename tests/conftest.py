@@ -4,6 +4,7 @@ import subprocess
 
 import psutil
 import pytest
+import torch  # noqa: F401  imported here, not inside a test: its first import runs ldconfig
 
 from spike_course import warm
 

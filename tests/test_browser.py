@@ -13,15 +13,11 @@ Needs Debian's Chromium (``apt-get install chromium``, which ``.ci/run`` does) a
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-
-from spike_course.launcher import free_port, stop_process_tree
+from lab_server import running_lab
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -39,35 +35,13 @@ def jupyterlab(tmp_path):
     if not os.path.exists(CHROMIUM):
         pytest.skip("no Chromium: apt-get install chromium chromium-driver (CI does)")
     pytest.importorskip("playwright.sync_api")
-    port, token = free_port(), "spike-course-browser-test"
     settings = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     # Render every cell into the page, not only those scrolled into view, so the test can find them.
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
-    # JupyterLab saves what it runs: work on a copy so the committed notebook stays clean.
-    course = tmp_path / "course"
-    (course / "notebooks").mkdir(parents=True)
-    shutil.copy(ROOT / NOTEBOOK, course / NOTEBOOK)
-    shutil.copy(ROOT / "pyproject.toml", course / "pyproject.toml")
-    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "SPIKE_COURSE_DATA": "synthetic"}
-    lab = subprocess.Popen([sys.executable, "-m", "spike_course.cli", "lab", "--port", str(port),
-                            "--token", token, "--no-browser"], cwd=course, env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline or lab.poll() is not None:
-                    raise RuntimeError("JupyterLab did not start within 90 s")
-                time.sleep(0.5)
+    env = {"JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"), "SPIKE_COURSE_DATA": "synthetic"}
+    with running_lab(tmp_path, [NOTEBOOK], env) as (url, token):
         yield url, token
-    finally:
-        stop_process_tree([lab])
 
 
 def _accept_kernel(page, seconds: float = 90):

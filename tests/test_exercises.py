@@ -8,7 +8,8 @@ import pytest
 from spike_course import exercises, grading
 
 ROOT = Path(__file__).resolve().parents[1]
-EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+# The blanks as solutions/ generates them: exercises/ may hold a learner's answers.
+BLANKS = exercises.expected_exercises(ROOT / "solutions")
 
 
 def _notebook(*cells):
@@ -71,23 +72,118 @@ def test_drift_is_detected(tmp_path):
     assert exercises.drift(solutions, target) == ["exercises/01_x.ipynb differs from what solutions/01_x.ipynb generates"]
 
 
-def test_the_course_exercises_are_in_sync():
-    assert exercises.drift(ROOT / "solutions", ROOT / "exercises") == []
+def test_the_course_part_of_the_exercises_is_in_sync():
+    """What the course wrote in exercises/ is what solutions/ generates. A learner's answers
+    and outputs may be there (make test must not fail for them): the next test keeps them
+    out of what the course ships."""
+    lines, in_sync = exercises.check(ROOT / "solutions", ROOT / "exercises")
+    assert in_sync, "\n".join(lines)
+
+
+@pytest.mark.processes  # git
+def test_the_committed_exercises_are_the_blanks():
+    """What git holds (what a learner gets) is exactly the blank, no answers, no outputs."""
+    import subprocess
+
+    try:
+        tracked = subprocess.run(["git", "ls-files", "exercises/*.ipynb"], cwd=ROOT, capture_output=True,
+                                 text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: nothing committed to compare")
+    expected = exercises.expected_exercises(ROOT / "solutions")
+    assert sorted(Path(path).name for path in tracked) == sorted(expected)
+    for path in tracked:
+        committed = subprocess.run(["git", "show", f"HEAD:{path}"], cwd=ROOT, capture_output=True,
+                                   text=True, check=True).stdout
+        assert exercises.learner_work(nbformat.reads(committed, as_version=4), expected[Path(path).name]) == [], path
+
+
+def _course(tmp_path, name="02_distributed_sampling.ipynb"):
+    """A course folder with one chapter's solution and its generated exercise."""
+    from shutil import copy
+
+    root = tmp_path / "course"
+    for folder in ("notebooks", "solutions", "exercises"):
+        (root / folder).mkdir(parents=True)
+    (root / "pyproject.toml").write_text("")
+    copy(ROOT / "solutions" / name, root / "solutions" / name)
+    exercises.generate(root / "solutions", root / "exercises")
+    return root, root / "exercises" / name
+
+
+def _answer(path):
+    """Fill the first blank of the exercise notebook at ``path`` (as a learner would)."""
+    notebook = nbformat.read(path, as_version=4)
+    number, cell = next((i, c) for i, c in enumerate(notebook.cells, 1) if exercises.STUB in c.source)
+    cell.source = cell.source.replace(exercises.STUB, "my_answer = 42  # the learner's line")
+    nbformat.write(notebook, path)
+    return number
+
+
+def test_no_exercises_command_overwrites_a_learners_answer(tmp_path, monkeypatch, capsys):
+    from spike_course.cli import main
+
+    root, path = _course(tmp_path)
+    number = _answer(path)
+    answered = path.read_text()
+    monkeypatch.chdir(root)
+
+    assert main(["exercises", "--check"]) == 0  # the course part is in sync: nothing to do
+    assert f"holds your work: cell {number} answered" in capsys.readouterr().out
+    assert main(["exercises"]) == 1
+    said = capsys.readouterr().out
+    assert f"exercises/{path.name}: kept: it holds your work (cell {number} answered)" in said
+    assert "--force" in said and "exercises/backups/" in said
+    assert path.read_text() == answered
+
+    assert main(["exercises", "--force"]) == 0
+    (backup,) = (root / "exercises" / "backups").glob("*.ipynb")
+    assert f"your copy: {backup}" in capsys.readouterr().out
+    assert backup.read_text() == answered and "my_answer = 42" not in path.read_text()
+
+
+def test_a_notebook_that_was_run_is_kept_too(tmp_path):
+    root, path = _course(tmp_path)
+    notebook = nbformat.read(path, as_version=4)
+    first = next(c for c in notebook.cells if c.cell_type == "code")
+    first.execution_count = 1
+    first.outputs = [nbformat.v4.new_output("stream", text="chapter 02_distributed_sampling\n")]
+    nbformat.write(notebook, path)
+    run = path.read_text()
+    solution = nbformat.read(root / "solutions" / path.name, as_version=4)
+    solution.cells[0].source += "\n\nA sentence the course added since."  # the course moved on
+    nbformat.write(solution, root / "solutions" / path.name)
+    done = exercises.generate(root / "solutions", root / "exercises")
+    assert done[path].startswith("kept: it holds your work (cell 2 run)") and path.read_text() == run
+
+
+def test_course_drift_is_told_from_a_learners_work(tmp_path):
+    root, path = _course(tmp_path)
+    _answer(path)
+    notebook = nbformat.read(path, as_version=4)
+    given = next(i for i, c in enumerate(notebook.cells, 1)
+                 if c.cell_type == "code" and exercises.STUB not in c.source and "my_answer" not in c.source)
+    notebook.cells[given - 1].source += "\nprint('changed')"
+    nbformat.write(notebook, path)
+    lines, in_sync = exercises.check(root / "solutions", root / "exercises")
+    assert not in_sync and f"cell {given} differ from the course" in lines[0] and "answered" in lines[0]
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("path", EXERCISES, ids=[p.stem for p in EXERCISES])
-def test_blank_exercise_runs_and_every_check_fails(path):
+@pytest.mark.parametrize("name", sorted(BLANKS), ids=[Path(name).stem for name in sorted(BLANKS)])
+def test_blank_exercise_runs_and_every_check_fails(name, tmp_path):
     """The scaffolding runs (cells not tagged raises-exception must pass, as under nbval),
-    and every check cell fails on the blank: a check that passes on nothing is no check."""
-    cells = grading.execute_cells(path)
+    and every check cell fails on the blank: a check that passes on nothing is no check.
+    The blank is generated from solutions/ and runs in a folder of its own: a learner's
+    answers in exercises/, and the workers they wrote, are not touched."""
+    cells = grading.execute_cells(tmp_path / name, notebook=nbformat.from_dict(BLANKS[name]))
     checks = [cell for cell in cells if exercises.CHECK_TAG in cell["tags"]]
-    assert checks, f"{path.name} has no cell tagged 'check'"
+    assert checks, f"{name} has no cell tagged 'check'"
     for cell in checks:
-        assert cell["error"], f"{path.name} cell {cell['index']} passed on the blank exercise:\n{cell['source']}"
+        assert cell["error"], f"{name} cell {cell['index']} passed on the blank exercise:\n{cell['source']}"
     for cell in cells:
         if exercises.RAISES_TAG not in cell["tags"]:
-            assert not cell["error"], (f"{path.name} cell {cell['index']} failed on the blank exercise:\n"
+            assert not cell["error"], (f"{name} cell {cell['index']} failed on the blank exercise:\n"
                                        f"{cell['source']}\n{cell['error']}")
 
 
@@ -96,7 +192,7 @@ def test_grade_runs_the_course_checks_not_the_learners(tmp_path):
     """A check cell edited to pass still fails a wrong (here: blank) answer: grade puts the
     course's check back before it runs the notebook."""
     name = "02_distributed_sampling.ipynb"
-    learner = nbformat.read(ROOT / "exercises" / name, as_version=4)
+    learner = nbformat.from_dict(BLANKS[name])
     for cell in learner.cells:
         if exercises.CHECK_TAG in cell.metadata.get("tags", []):
             cell.source = "pass  # 'fixed' by the learner"
@@ -110,7 +206,7 @@ def test_grade_runs_the_course_checks_not_the_learners(tmp_path):
 
 
 def test_a_deleted_check_cell_is_reported_missing():
-    exercise = nbformat.read(ROOT / "exercises" / "02_distributed_sampling.ipynb", as_version=4)
+    exercise = BLANKS["02_distributed_sampling.ipynb"]
     learner = nbformat.from_dict(exercise)
     learner.cells = [cell for cell in learner.cells if exercises.CHECK_TAG not in cell.metadata.get("tags", [])]
     missing = grading.restore_checks(learner, exercise)
@@ -122,3 +218,19 @@ def test_grade_needs_the_solutions_to_take_the_checks_from(tmp_path):
     nbformat.write(nbformat.v4.new_notebook(), path)
     with pytest.raises(FileNotFoundError, match="99_unknown.ipynb to take the check cells from"):
         grading.grade(path, solutions_dir=ROOT / "solutions")
+
+
+@pytest.mark.processes
+def test_a_failed_check_shows_its_message_alone_in_the_notebook(tmp_path):
+    from spike_course.headless import run_notebook
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from spike_course.checks import check_capstone_submit\n"
+        "check_capstone_submit('torchrun train.py')")])
+    path = tmp_path / "check.ipynb"
+    nbformat.write(notebook, path)
+    (error,) = [o for o in run_notebook(path, allow_errors=True).notebook.cells[0].outputs
+                if o.output_type == "error"]
+    assert error.ename == "CheckFailed"
+    assert error.traceback == [f"\x1b[0;31mCheckFailed\x1b[0m: {error.evalue}"]
+    assert "def " not in error.evalue and "Traceback" not in "".join(error.traceback)

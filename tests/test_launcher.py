@@ -202,9 +202,12 @@ print("ready", flush=True)
 time.sleep(600)
 """
 
+# A notebook kernel turns SIGINT (the stop button) into KeyboardInterrupt, even when it was
+# started with SIGINT ignored (as a background job's children are).
 DRIVER = """
-import sys
+import signal, sys
 from spike_course import launch
+signal.signal(signal.SIGINT, signal.default_int_handler)
 launch(sys.argv[1], nproc=2, launcher=sys.argv[2], timeout=300)
 """
 
@@ -416,3 +419,19 @@ def test_where_fork_is_unsafe_the_launch_starts_fresh_and_says_why(worker, monke
     result = launch(worker(HELLO), nproc=2)
     assert result.ok
     assert "[launch] starting fresh interpreters: fork is not safe on darwin (Linux only)" in capsys.readouterr().out
+
+
+def test_a_server_that_died_is_replaced_at_the_next_launch(worker, no_orphans):
+    import os
+    import signal
+
+    from spike_course import warm
+
+    script = worker(HELLO)
+    launch(script, nproc=2, echo=False)
+    dead = warm.server_pids()
+    for server in dead:
+        os.kill(server, signal.SIGKILL)  # as the kernel's out-of-memory killer would
+    time.sleep(0.5)
+    assert launch(script, nproc=2, echo=False).reports[1]["total"] == 1.0
+    assert warm.server_pids() and not set(dead) & set(warm.server_pids())

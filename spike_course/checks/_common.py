@@ -8,6 +8,12 @@ import re
 class CheckFailed(AssertionError):
     """The exercise's answer is not right yet; the message says what is likely wrong."""
 
+    def _render_traceback_(self) -> list[str]:
+        """What a notebook shows (IPython asks the exception): the message alone, as a learner
+        reads it. A traceback would add the check's own code, which holds the hints for the
+        other mistakes it names."""
+        return [f"\x1b[0;31mCheckFailed\x1b[0m: {self}"]
+
 
 def passed(what: str) -> None:
     print(f"check passed: {what}")
