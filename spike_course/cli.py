@@ -6,7 +6,7 @@
     spike-course run NOTEBOOK [-o OUT]                execute a notebook headless, keep the copy
     spike-course html [--out _build/html]             the rendered edition, a Sphinx site
     spike-course grade NOTEBOOK...                    run learners' exercise notebooks' checks
-    spike-course workers [--out cluster_workers]      every chapter's worker scripts, for torchrun
+    spike-course workers [--out DIR] [--from exercises/]  worker scripts for torchrun on a node
     spike-course gpu-check [NAME...]                  run lectures and solutions here, tabulate
 """
 
@@ -81,20 +81,33 @@ def terminal_shell(shell: str) -> list[str]:
     return [shell, "--rcfile", str(rc)]
 
 
-def doctor_lines() -> list[str]:
+def doctor_lines() -> tuple[list[str], list[str], list[str]]:
+    """(what this machine offers the course, one line each; the problems that stop a chapter;
+    notes on what works differently from what the chapters say)."""
+    import shutil
+
     import torch
     import torch.distributed as dist
 
     from .data import data_source
     from .notebook import describe_devices
 
+    problems, notes = [], []
     lines = [f"python            {platform.python_version()} ({sys.executable})",
              f"machine           {describe_devices()}",
              f"cuda build        {torch.version.cuda or 'none (a CPU-only torch)'}"]
+    if not dist.is_gloo_available():
+        problems.append("torch has no gloo backend: reinstall torch 2.14.1 from PyPI")
     lines.append(f"gloo              {'available' if dist.is_gloo_available() else 'MISSING'}")
     lines.append(f"nccl              {'available' if dist.is_nccl_available() else 'not available'}"
                  + ("" if torch.cuda.is_available() else " (needs CUDA GPUs anyway)"))
     lines.append(f"data              {data_source()}")
+    torchrun, ours = shutil.which("torchrun"), str(Path(environment_bin()) / "torchrun")
+    lines.append(f"torchrun          {torchrun or 'not on PATH'}")
+    if torchrun != ours:  # the notebooks still run: launch starts python -m torch.distributed.run
+        notes.append(f"this shell's torchrun is {torchrun or 'missing'}, not the course's {ours}: "
+                        f"activate the course's environment (source {Path(environment_bin()) / 'activate'}), "
+                        "or open the terminal from `make lab` (chapters 07 and 12 type torchrun there)")
     for module, what in (("jupyterlab", "jupyterlab"), ("ipywidgets", "ipywidgets"),
                          ("jupyterlab_widgets", "widgets extension")):
         found = importlib.util.find_spec(module) is not None
@@ -104,14 +117,27 @@ def doctor_lines() -> list[str]:
                 version = " " + __import__(module).__version__
             except Exception:  # a module without __version__ is still installed
                 pass
+        else:
+            problems.append(f"{what} is missing: pip install {module}")
         lines.append(f"{what:<17} {'installed' + version if found else 'MISSING: pip install ' + module}")
-    return lines
+    return lines, problems, notes
+
+
+def doctor_report() -> tuple[str, bool]:
+    """What `spike-course doctor` prints, ending with its verdict; and whether it is ready."""
+    lines, problems, notes = doctor_lines()
+    if problems:
+        lines.append("NOT READY:\n" + "\n".join(f"  - {problem}" for problem in problems))
+    else:
+        lines.append("ready: every chapter runs here (its workers use gloo on the CPU, or NCCL on GPUs as above)")
+    lines += [f"note: {note}" for note in notes]
+    return "\n".join(lines), not problems
 
 
 def cmd_doctor(args) -> int:
-    for line in doctor_lines():
-        print(line)
-    return 0
+    report, ready = doctor_report()
+    print(report)
+    return 0 if ready else 1
 
 
 def cmd_exercises(args) -> int:
@@ -161,17 +187,22 @@ def cmd_run(args) -> int:
 
 
 def cmd_grade(args) -> int:
-    from .grading import grade
+    import nbformat
+
+    from .grading import check_name, grade
 
     failed = 0
     for name in args.notebooks:
         checks = grade(name, timeout=args.timeout, solutions_dir=course_root() / "solutions")
+        cells = len(nbformat.read(name, as_version=4).cells)
         passed = sum(check["error"] is None for check in checks)
         print(f"{name}: {passed} of {len(checks)} checks pass")
         for check in checks:
-            if check["error"]:
-                where = "deleted check" if check["index"] is None else f"cell {check['index']}"
-                print(f"  {where}: {check['error'].strip()[:500]}")
+            # Numbered as JupyterLab's status bar shows the cell: "Cell 12/12".
+            where = "a deleted check cell" if check["index"] is None else f"cell {check['index'] + 1}/{cells}"
+            state = "pass" if check["error"] is None else "FAIL"
+            line = f"  {state}  {where}, {check_name(check['source'])}"
+            print(line + (f": {check['error'].strip()[:500]}" if check["error"] else ""))
         failed += passed < len(checks) or not checks
     return 1 if failed else 0
 
@@ -186,17 +217,26 @@ def cmd_html(args) -> int:
 
 
 def cmd_workers(args) -> int:
-    from .workers import export
+    from .workers import export, unanswered
 
     out, root = Path(args.out).resolve(), course_root()
-    if not (root / "notebooks").is_dir():
-        print(f"no notebooks/ in {root} or above: run this inside the course checkout", file=sys.stderr)
+    if not (root / "notebooks").is_dir() and not args.sources:
+        print(f"no notebooks/ in {root} or above: run this inside the course checkout, or name the "
+              "notebooks with --from", file=sys.stderr)
         return 2
-    written = export(root, out)
+    try:
+        written = export(root, out, args.sources)
+    except FileNotFoundError as error:
+        print(error, file=sys.stderr)
+        return 2
     for path in written:
         print(path.relative_to(out))
-    print(f"wrote {len(written)} worker scripts to {out}; each file's first line says how to run it "
-          "(cd there first)")
+    print(f"wrote {len(written)} worker scripts to {out}, and README.md on how to run them on a node; "
+          "each file's first line says how to run it (cd there first)")
+    blank = unanswered(written)
+    if blank:
+        print("still the exercise's blank (they raise NotImplementedError): "
+              + ", ".join(str(path.relative_to(out)) for path in blank))
     return 0
 
 
@@ -250,6 +290,9 @@ def main(argv=None) -> int:
     html.set_defaults(func=cmd_html)
     workers = commands.add_parser("workers", help="write every chapter's worker scripts to a folder")
     workers.add_argument("--out", default="cluster_workers")
+    workers.add_argument("--from", dest="sources", nargs="+", metavar="NOTEBOOK_OR_FOLDER",
+                         help="export these notebooks (e.g. exercises/, your answers) instead of "
+                              "the lectures and solutions")
     workers.set_defaults(func=cmd_workers)
     gpu = commands.add_parser("gpu-check", help="run lectures and solutions, print a pass/fail table")
     gpu.add_argument("names", nargs="*", help="only notebooks whose path contains one of these")

@@ -8,6 +8,7 @@ the check cells back as ``solutions/`` generates them, as nbgrader does
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -33,6 +34,12 @@ def execute_cells(path, timeout: int = 600, notebook=None) -> list[dict]:
         cells.append({"index": index, "tags": cell.metadata.get("tags", []), "source": cell.source,
                       "error": f"{errors[0].ename}: {errors[0].evalue}" if errors else None})
     return cells
+
+
+def check_name(source: str) -> str:
+    """What a check cell checks, for a report: the checks function it calls."""
+    found = re.search(r"\bchecks\.(\w+)\(", source)
+    return found.group(1) if found else "the check cell"
 
 
 def restore_checks(notebook, exercise) -> list[str]:

@@ -328,9 +328,12 @@ def main(control_fd: int) -> None:
         if hazards:
             raise RuntimeError("after its imports, " + "; ".join(hazards))
     except Exception:
-        send(control, {"error": traceback.format_exc(limit=-3)})
+        _tell(control, {"error": traceback.format_exc(limit=-3)})
         return
-    send(control, {"ready": os.getpid()})
+    try:
+        send(control, {"ready": os.getpid()})
+    except OSError:  # the kernel ended while we imported (a chapter with no launch): so do we
+        return
     Server(control, torch_threads).serve()
 
 

@@ -2,9 +2,10 @@
 
 A chapter writes its workers with ``%%writefile workers/NN_topic/name.py`` cells, so
 they exist only after the notebook ran. ``spike-course workers --out DIR`` reads those
-cells from the lectures and the solutions and writes ``DIR/NN_topic/name.py``, each
-starting with the command that runs it, e.g. the docstring line
-``torchrun --standalone --nproc-per-node=2 03_data_parallel/train.py``.
+cells from the lectures and the solutions (or, with ``--from exercises``, from a learner's
+own notebooks) and writes ``DIR/NN_topic/name.py``, each starting with the command that
+runs it, e.g. the docstring line ``torchrun --standalone --nproc-per-node=2
+03_data_parallel/train.py``, and ``DIR/README.md`` on how to run them on a GPU node.
 """
 
 from __future__ import annotations
@@ -63,32 +64,78 @@ def _with_first_line(line: str, source: str) -> str:
     return f'"""{line}"""\n{source}'
 
 
-def collect(root) -> dict[str, str]:
-    """{"NN_topic/name.py": text with its run line} for every chapter, lectures and solutions."""
-    root = Path(root)
+def notebooks(root, sources=None) -> list[Path]:
+    """The chapter notebooks to export from: ``sources`` (folders or notebook files, relative
+    to the working directory), by default the course's lectures and solutions."""
+    paths = []
+    for source in sources or [Path(root) / folder for folder in SOURCES]:
+        source = Path(source)
+        if source.is_file():
+            paths.append(source)
+        elif source.is_dir():
+            paths += sorted(source.glob("[0-9][0-9]_*.ipynb"))
+        else:
+            raise FileNotFoundError(f"--from {source}: no such notebook or folder")
+    return paths
+
+
+def collect(root, sources=None) -> dict[str, str]:
+    """{"NN_topic/name.py": text with its run line} for every chapter of ``sources``."""
     collected = {}
-    for folder in SOURCES:
-        for notebook_path in sorted((root / folder).glob("[0-9][0-9]_*.ipynb")):
-            notebook = nbformat.read(notebook_path, as_version=4)
-            cells = worker_cells(notebook)
-            notebook_source = "\n".join(c.source for c in notebook.cells)
-            for relative, source in cells.items():
-                if relative in collected:
-                    raise ValueError(f"two notebooks write workers/{relative}: give one of them "
-                                     f"another name (second one: {notebook_path})")
-                nproc = _ranks(notebook_source, Path(relative).name)
-                line = run_line(relative, source, cells, nproc)
-                collected[relative] = _with_first_line(line, source)
+    for notebook_path in notebooks(root, sources):
+        notebook = nbformat.read(notebook_path, as_version=4)
+        cells = worker_cells(notebook)
+        notebook_source = "\n".join(c.source for c in notebook.cells)
+        for relative, source in cells.items():
+            if relative in collected:
+                raise ValueError(f"two notebooks write workers/{relative}: give one of them "
+                                 f"another name (second one: {notebook_path})")
+            nproc = _ranks(notebook_source, Path(relative).name)
+            line = run_line(relative, source, cells, nproc)
+            collected[relative] = _with_first_line(line, source)
     return collected
 
 
-def export(root, out) -> list[Path]:
-    """Write every worker under ``out``; return the paths written."""
+def export(root, out, sources=None) -> list[Path]:
+    """Write every worker of ``sources`` under ``out``, and the README for the node; return
+    the workers' paths."""
     out = Path(out)
     written = []
-    for relative, text in collect(root).items():
+    for relative, text in collect(root, sources).items():
         path = out / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         written.append(path)
+    (out / "README.md").write_text(node_readme(out, written))
     return written
+
+
+def unanswered(paths) -> list[Path]:
+    """The exported workers that still hold an exercise's blank (NotImplementedError)."""
+    return [path for path in paths if "raise NotImplementedError(" in path.read_text()]
+
+
+def node_readme(out: Path, written: list[Path]) -> str:
+    lines = [f"    {path.read_text().splitlines()[0].strip(chr(34) * 3)}"
+             for path in sorted(written) if not path.read_text().startswith('"""A module')]
+    return README.format(runs="\n".join(lines))
+
+
+README = """# Worker scripts, ready for a GPU node
+
+Written by `spike-course workers`. Each script's first line says how it runs; run it from
+this folder, with the script's path as shown:
+
+{runs}
+
+On a DGX node (8 GPUs) give torchrun `--nproc-per-node=8`; a script then uses NCCL, one GPU
+per process. Copy this folder to your project volume first (a pod's own disk disappears
+with the pod), and build the `runai training pytorch submit` line with
+`spike_course.runai` (chapter 07 explains every flag).
+
+The scripts import `spike_course` (its `runtime`, `data` and `models` modules need only
+torch, torchvision and numpy): in a PyTorch image, `pip install --no-deps` the course folder,
+which keeps the image's own CUDA build of torch, or build the environment from
+`environment.yml`. Outside a notebook, `runtime.report()` and `runtime.progress()` do
+nothing, and collectives get PyTorch's own timeout.
+"""

@@ -188,9 +188,12 @@ def test_blank_exercise_runs_and_every_check_fails(name, tmp_path):
 
 
 @pytest.mark.processes
-def test_grade_runs_the_course_checks_not_the_learners(tmp_path):
+def test_grade_runs_the_course_checks_not_the_learners(tmp_path, monkeypatch, capsys):
     """A check cell edited to pass still fails a wrong (here: blank) answer: grade puts the
-    course's check back before it runs the notebook."""
+    course's check back before it runs the notebook, and names each check by its cell as
+    JupyterLab numbers it and by the check it calls."""
+    from spike_course.cli import main
+
     name = "02_distributed_sampling.ipynb"
     learner = nbformat.from_dict(BLANKS[name])
     for cell in learner.cells:
@@ -200,9 +203,16 @@ def test_grade_runs_the_course_checks_not_the_learners(tmp_path):
     path = tmp_path / "exercises" / name
     nbformat.write(learner, path)
 
-    graded = grading.grade(path, solutions_dir=ROOT / "solutions")
-    assert graded and all(check["error"] for check in graded), graded
-    assert all("fixed" not in check["source"] for check in graded)
+    monkeypatch.chdir(ROOT)  # grade takes the checks from the course it runs in
+    assert main(["grade", str(path)]) == 1
+    report = capsys.readouterr().out.splitlines()
+    checks = [number for number, cell in enumerate(learner.cells, 1)
+              if exercises.CHECK_TAG in cell.metadata.get("tags", [])]
+    assert report[0] == f"{path}: 0 of {len(checks)} checks pass"
+    lines = [line for line in report[1:] if line.startswith(("  pass", "  FAIL"))]
+    assert len(lines) == len(checks)
+    for line, number in zip(lines, checks):
+        assert line.startswith(f"  FAIL  cell {number}/{len(learner.cells)}, check_sampler: "), line
 
 
 def test_a_deleted_check_cell_is_reported_missing():

@@ -58,3 +58,16 @@ def test_a_terminal_in_jupyterlab_finds_the_courses_commands(tmp_path):
             timeout=90)
     for command in ("torchrun", "python", "spike-course"):
         assert f"{BIN}/{command}" in seen, seen
+
+
+def test_doctor_ends_with_a_verdict_and_says_when_a_shell_misses_torchrun(monkeypatch, capsys):
+    from spike_course.cli import main
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a shell where the environment is not active
+    assert main(["doctor"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[-2].startswith("ready: every chapter runs here")
+    assert said[-1].startswith("note: this shell's torchrun is") and f"source {BIN}/activate" in said[-1]
+    monkeypatch.setenv("PATH", f"{BIN}:/usr/bin")
+    assert main(["doctor"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("ready:")
