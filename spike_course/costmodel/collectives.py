@@ -84,8 +84,9 @@ def fit_alpha_beta(sizes, seconds, relative: bool = True) -> tuple[float, float]
     seconds per byte), so 1/beta is the bandwidth the line implies. With ``relative``
     (the default) each point's error counts relative to its own time: timings span
     several orders of magnitude, and a plain fit would let the biggest messages decide
-    everything and leave alpha as noise (or negative). A negative fitted value is not
-    physical; the fit then returns the best line with that value pinned to 0.
+    everything and leave alpha as noise (or negative). A negative alpha is not physical;
+    the fit then returns the best line through the origin. Times that do not grow with
+    the size give no bandwidth at all (beta would be 0 or negative): a ValueError says so.
     """
     import numpy as np
 
@@ -101,12 +102,17 @@ def fit_alpha_beta(sizes, seconds, relative: bool = True) -> tuple[float, float]
         return float(np.sum((w * (a + b * x - y)) ** 2))
 
     a, b = np.linalg.lstsq(np.stack([w, w * x], axis=1), w * y, rcond=None)[0]
-    if a >= 0 and b >= 0:
+    if a >= 0 and b > 0:
         return float(a), float(b)
     candidates = [(float(np.sum(w**2 * y) / np.sum(w**2)), 0.0)]  # beta = 0: a constant
     if np.sum(w**2 * x**2) > 0:                                    # alpha = 0: through the origin
         candidates.append((0.0, max(0.0, float(np.sum(w**2 * x * y) / np.sum(w**2 * x**2)))))
-    return min(candidates, key=lambda ab: loss(*ab))
+    a, b = min(candidates, key=lambda ab: loss(*ab))
+    if b == 0:  # every bandwidth computed from it would divide by zero
+        raise ValueError("these times do not grow with the message size, so they give no bandwidth "
+                         "(the best line through them is flat): other programs probably took the "
+                         "cores while it measured. Measure again, with the machine less busy.")
+    return a, b
 
 
 def link_bandwidth(link: str) -> float:
