@@ -11,16 +11,31 @@ LAB_PORT ?= 8888
 PYTHON_VERSION = import sys; print("%d.%d" % sys.version_info[:2])
 SUPPORTED      = 3.11 3.12 3.13
 
-.PHONY: lab test quick exercises html workers gpu-check flakiness clean
+.PHONY: lab test quick exercises html workers gpu-check flakiness clean FORCE
 
-# Made again when pyproject.toml changes, and whenever the last install did not finish.
-# A .venv that does not run, or that another Python made, is replaced (it says so).
-$(BIN)/spike-course: pyproject.toml
+# Made again when pyproject.toml changes, when the last install did not finish, when .venv no
+# longer runs (the Python that made it was removed), and when PYTHON= on the command line
+# names another version than the one that made .venv: the recipe then replaces it (it says so).
+# Without PYTHON= an existing .venv is kept, whatever `python3` is today.
+VENV_VERSION := $(shell $(BIN)/python -c '$(PYTHON_VERSION)' 2>/dev/null)
+ifneq ($(wildcard $(BIN)/spike-course),)
+  ifeq ($(VENV_VERSION),)
+    REMAKE_VENV = FORCE
+  else ifeq ($(origin PYTHON),command line)
+    ifneq ($(VENV_VERSION),$(shell $(PYTHON) -c '$(PYTHON_VERSION)' 2>/dev/null))
+      REMAKE_VENV = FORCE
+    endif
+  endif
+endif
+
+$(BIN)/spike-course: pyproject.toml $(REMAKE_VENV)
 	@version=$$($(PYTHON) -c '$(PYTHON_VERSION)') || { echo "no $(PYTHON) here: install Python 3.11, 3.12 or 3.13, or name one: make $(MAKECMDGOALS) PYTHON=python3.12"; exit 1; }; \
 	case " $(SUPPORTED) " in *" $$version "*) ;; *) echo "$(PYTHON) is Python $$version; the course needs 3.11, 3.12 or 3.13 (the pinned torch has wheels for those): make $(MAKECMDGOALS) PYTHON=python3.12"; exit 1;; esac; \
 	if [ -e $(VENV) ]; then \
-	  made=$$($(BIN)/python -c '$(PYTHON_VERSION)' 2>/dev/null) || made=broken; \
-	  if [ "$$made" != "$$version" ]; then \
+	  if ! made=$$($(BIN)/python -c '$(PYTHON_VERSION)' 2>/dev/null); then \
+	    echo "$(VENV) does not run (was the Python that made it removed?): removing $(VENV) and making it again"; \
+	    rm -rf $(VENV); \
+	  elif [ "$$made" != "$$version" ]; then \
 	    echo "$(VENV) was made by Python $$made, and $(PYTHON) is $$version: removing $(VENV) and making it again"; \
 	    rm -rf $(VENV); \
 	  fi; \
@@ -73,3 +88,5 @@ exercises: $(BIN)/spike-course
 
 clean:
 	rm -rf cluster_workers notebooks/workers solutions/workers exercises/workers notebooks/data solutions/data exercises/data _build
+
+FORCE:

@@ -294,7 +294,9 @@ def _run_as_main(path: str):
         tb = error.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename != path:
             tb = tb.tb_next
-        sys.excepthook(type(error), error, tb or error.__traceback__)
+        # The hook prints error.__traceback__; its own tb argument only when that is None.
+        error.__traceback__ = tb or error.__traceback__
+        sys.excepthook(type(error), error, error.__traceback__)
         return 1, error, main
     return 0, None, main
 

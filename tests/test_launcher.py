@@ -85,6 +85,30 @@ def test_a_crashing_rank_stops_the_others(worker, no_orphans, launcher):
     assert elapsed < 60, f"took {elapsed:.0f} s: the waiting ranks were not stopped"
 
 
+# A learner's bug two frames deep, raised while handling another exception.
+FAILS_DEEP = """
+def inner():
+    raise ValueError("inner fails")
+
+def outer():
+    try:
+        inner()
+    except ValueError as error:
+        raise RuntimeError("outer fails") from error
+
+outer()
+"""
+
+
+def test_a_warm_rank_prints_the_traceback_a_fresh_rank_prints(worker, no_orphans):
+    script = worker(FAILS_DEEP)
+    warm, fresh = (launch(script, nproc=1, launcher=launcher, echo=False, check=False).output[0]
+                   for launcher in ("warm", "fresh"))
+    assert warm == fresh
+    assert warm[0] == "Traceback (most recent call last):" and warm[-1] == "RuntimeError: outer fails"
+    assert not [line for line in warm if "warm_server" in line], "the helper's own frames are shown"
+
+
 @pytest.mark.parametrize("launcher", ["warm", "fresh"])
 def test_a_hanging_worker_times_out(worker, no_orphans, launcher):
     started = time.perf_counter()
