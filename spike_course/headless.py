@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,19 +23,24 @@ def run_notebook(path, timeout: int = 600, allow_errors: bool = False, notebook=
     """Execute the notebook at ``path`` in its own folder (``notebook``, when given, runs in
     place of the file's content). A failing cell, a timeout or a dead kernel is reported in
     ``Run.error``, not raised: callers show it and go on with the next notebook."""
+    from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
 
     path = Path(path)
     notebook = notebook if notebook is not None else nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=timeout, kernel_name="python3", allow_errors=allow_errors,
-                            resources={"metadata": {"path": str(path.parent)}})
-    started = time.perf_counter()
-    try:
-        client.execute()
-        stopped = None
-    except Exception as failure:
-        stopped = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:300]}"
-    seconds = time.perf_counter() - started
+    with tempfile.TemporaryDirectory(prefix="spike-course-kernel-") as sockets:
+        # The kernel listens on sockets in a private folder, not on TCP ports: ipykernel warns,
+        # in the middle of grade's report, that TCP carries the notebook unencrypted.
+        kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
+        client = NotebookClient(notebook, km=kernel, timeout=timeout, allow_errors=allow_errors,
+                                resources={"metadata": {"path": str(path.parent)}})
+        started = time.perf_counter()
+        try:
+            client.execute(cleanup_kc=True)  # shut the kernel down at the end, as for a kernel of its own
+            stopped = None
+        except Exception as failure:
+            stopped = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:300]}"
+        seconds = time.perf_counter() - started
     error = stopped
     for index, cell in enumerate(notebook.cells):
         errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]

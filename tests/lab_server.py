@@ -25,7 +25,9 @@ def running_lab(tmp_path, notebooks=(), env=None):
     for notebook in notebooks:
         shutil.copy(ROOT / notebook, course / notebook)
     shutil.copy(ROOT / "pyproject.toml", course / "pyproject.toml")
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), **(env or {})}
+    # Its own runtime and workspace folders: no other lab's open tabs come back in this one.
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"), **(env or {})}
     port = free_port()
     lab = subprocess.Popen([sys.executable, "-m", "spike_course.cli", "lab", "--port", str(port),
                             "--token", TOKEN, "--no-browser"], cwd=course, env=env,

@@ -188,7 +188,7 @@ def test_blank_exercise_runs_and_every_check_fails(name, tmp_path):
 
 
 @pytest.mark.processes
-def test_grade_runs_the_course_checks_not_the_learners(tmp_path, monkeypatch, capsys):
+def test_grade_runs_the_course_checks_not_the_learners(tmp_path, monkeypatch, capfd):
     """A check cell edited to pass still fails a wrong (here: blank) answer: grade puts the
     course's check back before it runs the notebook, and names each check by its cell as
     JupyterLab numbers it and by the check it calls."""
@@ -205,7 +205,9 @@ def test_grade_runs_the_course_checks_not_the_learners(tmp_path, monkeypatch, ca
 
     monkeypatch.chdir(ROOT)  # grade takes the checks from the course it runs in
     assert main(["grade", str(path)]) == 1
-    report = capsys.readouterr().out.splitlines()
+    printed = capfd.readouterr()  # the kernel's own output too: it writes to the terminal
+    report = printed.out.splitlines()
+    assert "WARNING" not in printed.err, printed.err  # ipykernel's warning about TCP, for one
     checks = [number for number, cell in enumerate(learner.cells, 1)
               if exercises.CHECK_TAG in cell.metadata.get("tags", [])]
     assert report[0] == f"{path}: 0 of {len(checks)} checks pass"
@@ -213,6 +215,17 @@ def test_grade_runs_the_course_checks_not_the_learners(tmp_path, monkeypatch, ca
     assert len(lines) == len(checks)
     for line, number in zip(lines, checks):
         assert line.startswith(f"  FAIL  cell {number}/{len(learner.cells)}, check_sampler: "), line
+
+
+def test_each_check_cell_is_named_by_the_check_it_calls():
+    for name, exercise in BLANKS.items():
+        for cell in exercise.cells:
+            if exercises.CHECK_TAG in cell.metadata.get("tags", []):
+                assert grading.check_name(cell.source).startswith("check_"), (name, cell.source)
+    # a helper called first (it names a blank or crashed rank) is not what the cell checks
+    source = "reports = checks.launch_reports(job, 'evaluate')\nchecks.check_distributed_accuracy(reports)"
+    assert grading.check_name(source) == "check_distributed_accuracy"
+    assert grading.check_name("assert answer == 42") == "the check cell"
 
 
 def test_a_deleted_check_cell_is_reported_missing():
