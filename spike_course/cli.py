@@ -44,12 +44,13 @@ def cmd_lab(args) -> int:
         command.append("--allow-root")  # containers (a Run:ai pod, CI) often run as root
     if args.token:  # otherwise JupyterLab makes a random token and prints the URL with it
         command.append(f"--IdentityProvider.token={args.token}")
-    shell = terminal_shell(os.environ.get("SHELL") or "/bin/sh")
-    command.append("--ServerApp.terminado_settings=" + json.dumps({"shell_command": shell}))
     if args.ip not in ("127.0.0.1", "localhost"):
         print(f"warning: JupyterLab will listen on {args.ip}, reachable from other machines; "
               "it still asks for its token", file=sys.stderr)
-    return subprocess.call(command, env=lab_environment(os.environ))
+    with tempfile.TemporaryDirectory(prefix="spike_course_lab_") as folder:  # gone when the lab ends
+        shell = terminal_shell(os.environ.get("SHELL") or "/bin/sh", Path(folder))
+        command.append("--ServerApp.terminado_settings=" + json.dumps({"shell_command": shell}))
+        return subprocess.call(command, env=lab_environment(os.environ))
 
 
 def environment_bin() -> str:
@@ -68,14 +69,15 @@ def lab_environment(environ) -> dict:
     return env
 
 
-def terminal_shell(shell: str) -> list[str]:
+def terminal_shell(shell: str, folder: Path) -> list[str]:
     """The command of a JupyterLab terminal. Left alone, JupyterLab starts a login shell when
     it has no terminal of its own, and /etc/profile then resets PATH; a ~/.bashrc may put
     other Pythons first. So bash reads its usual ~/.bashrc and then this environment's bin,
-    last; another shell starts as it is, with PATH from lab_environment."""
+    last (from a file written in ``folder``, which must outlive the lab); another shell
+    starts as it is, with PATH from lab_environment."""
     if Path(shell).name != "bash":
         return [shell]
-    rc = Path(tempfile.mkdtemp(prefix="spike_course_lab_")) / "bashrc"
+    rc = folder / "bashrc"
     rc.write_text('[ -f ~/.bashrc ] && . ~/.bashrc\n'
                   f'export PATH={shlex.quote(environment_bin())}:"$PATH"\n')
     return [shell, "--rcfile", str(rc)]

@@ -19,11 +19,11 @@ def test_the_lab_puts_this_environment_first_on_path():
     assert env["PATH"].split(":") == [BIN, "/usr/bin", "/bin"]
 
 
-def test_bash_reads_the_learners_bashrc_and_then_puts_this_environment_first():
-    shell, option, rc = terminal_shell("/bin/bash")
-    assert (shell, option) == ("/bin/bash", "--rcfile")
+def test_bash_reads_the_learners_bashrc_and_then_puts_this_environment_first(tmp_path):
+    shell, option, rc = terminal_shell("/bin/bash", tmp_path)
+    assert (shell, option, Path(rc).parent) == ("/bin/bash", "--rcfile", tmp_path)
     assert Path(rc).read_text().splitlines() == ["[ -f ~/.bashrc ] && . ~/.bashrc", f'export PATH={BIN}:"$PATH"']
-    assert terminal_shell("/usr/bin/zsh") == ["/usr/bin/zsh"]
+    assert terminal_shell("/usr/bin/zsh", tmp_path) == ["/usr/bin/zsh"]
 
 
 @pytest.mark.processes
