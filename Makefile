@@ -32,7 +32,8 @@ $(BIN)/spike-course: pyproject.toml $(REMAKE_VENV)
 	@version=$$($(PYTHON) -c '$(PYTHON_VERSION)') || { echo "no $(PYTHON) here: install Python 3.11, 3.12 or 3.13, or name one: make $(MAKECMDGOALS) PYTHON=python3.12"; exit 1; }; \
 	case " $(SUPPORTED) " in *" $$version "*) ;; *) echo "$(PYTHON) is Python $$version; the course needs 3.11, 3.12 or 3.13 (the pinned torch has wheels for those): make $(MAKECMDGOALS) PYTHON=python3.12"; exit 1;; esac; \
 	if [ -e $(VENV) ]; then \
-	  if ! made=$$($(BIN)/python -c '$(PYTHON_VERSION)' 2>/dev/null); then \
+	  made="$(VENV_VERSION)"; \
+	  if [ -z "$$made" ]; then \
 	    echo "$(VENV) does not run (was the Python that made it removed?): removing $(VENV) and making it again"; \
 	    rm -rf $(VENV); \
 	  elif [ "$$made" != "$$version" ]; then \

@@ -1,5 +1,6 @@
 """The Makefile's choice to keep or replace .venv (issue 25: a .venv of another Python was
-reused and the install failed again). `make -n` prints what it would run, without running it."""
+reused and the install failed again). `make quick` runs for real against stand-in
+interpreters that log what they are asked to do instead of installing anything."""
 
 import os
 import shutil
@@ -9,15 +10,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTALL = "pip install -e"
 
-pytestmark = pytest.mark.processes  # make and a stand-in Python
+pytestmark = pytest.mark.processes  # make and the stand-in interpreters
 
 
 def fake_python(path: Path, version: str | None) -> Path:
-    """A stand-in interpreter that prints its version, as the Makefile asks it to; None: broken."""
+    """A stand-in interpreter: prints ``version`` for the Makefile's `-c` question, logs every
+    `-m` command to log.txt beside the Makefile, and `-m venv DIR` copies itself to
+    DIR/bin/python. ``version`` None: an interpreter that no longer runs."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("#!/bin/sh\n" + (f"echo {version}\n" if version else "exit 127\n"))
+    body = ('case "$1" in\n'
+            f'  -c) echo {version} ;;\n'
+            '  -m) echo "$*" >> log.txt\n'
+            '      if [ "$2" = venv ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi ;;\n'
+            'esac\n') if version else "exit 127\n"
+    path.write_text("#!/bin/sh\n" + body)
     path.chmod(0o755)
     return path
 
@@ -28,29 +35,35 @@ def course(tmp_path):
     shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     fake_python(tmp_path / ".venv" / "bin" / "python", "3.12")
-    installed = tmp_path / ".venv" / "bin" / "spike-course"
-    installed.write_text("")
+    (tmp_path / ".venv" / "bin" / "spike-course").write_text("")
     os.utime(tmp_path / "pyproject.toml", (1, 1))  # older than the install
     return tmp_path
 
 
-def dry_run(course, *args) -> str:
-    done = subprocess.run(["make", "-n", "quick", *args], cwd=course, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+def make_quick(course, *args, python_from_environment=None) -> tuple[str, list[str]]:
+    """(what make printed, the interpreters' logged commands)."""
+    env = {**os.environ, "PYTHON": str(python_from_environment)} if python_from_environment else None
+    done = subprocess.run(["make", "quick", *args], cwd=course, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = course / "log.txt"
+    return done.stdout, log.read_text().splitlines() if log.exists() else []
 
 
 def test_a_working_venv_is_kept(course):
-    assert INSTALL not in dry_run(course)
-    assert INSTALL not in dry_run(course, f"PYTHON={fake_python(course / 'py312', '3.12')}")
+    for args in [(), (f"PYTHON={fake_python(course / 'py312', '3.12')}",)]:
+        printed, commands = make_quick(course, *args)
+        assert [c.split()[:2] for c in commands] == [["-m", "pytest"]], printed  # no install
+        (course / "log.txt").unlink()
 
 
 def test_a_venv_that_no_longer_runs_is_made_again(course):
     fake_python(course / ".venv" / "bin" / "python", None)
-    out = dry_run(course)
-    assert INSTALL in out and "does not run" in out
+    printed, commands = make_quick(course, python_from_environment=fake_python(course / "py311", "3.11"))
+    assert ".venv does not run" in printed
+    assert commands[0] == "-m venv .venv" and "-m pip install -e .[test]" in commands, commands
 
 
 def test_python_named_on_the_command_line_replaces_a_venv_of_another_version(course):
-    out = dry_run(course, f"PYTHON={fake_python(course / 'py313', '3.13')}")
-    assert INSTALL in out and "removing .venv and making it again" in out
+    printed, commands = make_quick(course, f"PYTHON={fake_python(course / 'py313', '3.13')}")
+    assert ".venv was made by Python 3.12" in printed and "is 3.13: removing .venv" in printed
+    assert commands[0] == "-m venv .venv" and "-m pip install -e .[test]" in commands, commands
