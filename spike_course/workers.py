@@ -3,9 +3,10 @@
 A chapter writes its workers with ``%%writefile workers/NN_topic/name.py`` cells, so
 they exist only after the notebook ran. ``spike-course workers --out DIR`` reads those
 cells from the lectures and the solutions (or, with ``--from exercises``, from a learner's
-own notebooks) and writes ``DIR/NN_topic/name.py``, each starting with the command that
-runs it, e.g. the docstring line ``torchrun --standalone --nproc-per-node=2
-03_data_parallel/train.py``, and ``DIR/README.md`` on how to run them on a GPU node.
+own notebooks) and writes ``DIR/NN_topic/name.py`` as the cell has it, and
+``DIR/README.md`` on how to run them on a GPU node. Every worker's docstring starts with
+the command that runs it, as nanoGPT's scripts do (``torchrun --standalone
+--nproc-per-node=2 03_data_parallel/train.py``): the author writes it, nothing guesses it.
 """
 
 from __future__ import annotations
@@ -30,38 +31,19 @@ def worker_cells(notebook) -> dict[str, str]:
     return found
 
 
-def _ranks(notebook_source: str, name: str) -> int:
-    """The nproc the chapter launches ``name`` with (a literal or a NAME = literal), else 2."""
-    call = re.search(rf'launch\([^)]*{re.escape(name)}["\'][^)]*?nproc=(\w+)', notebook_source)
-    if not call:
-        return 2
-    value = call.group(1)
-    if value.isdigit():
-        return int(value)
-    constant = re.search(rf"^{value}\s*=\s*(\d+)\b", notebook_source, re.M)
-    return int(constant.group(1)) if constant else 2
-
-
-def run_line(relative: str, source: str, siblings: dict[str, str], nproc: int) -> str:
-    """How this file is started on a node: torchrun, plain python, or not at all (a module)."""
-    stem = Path(relative).stem
-    if any(re.search(rf"^\s*(from {stem} import|import {stem}\b)", other, re.M)
-           for path, other in siblings.items() if path != relative):
-        return f"A module that the other workers of {Path(relative).parent} import; not run on its own."
-    if "torch.distributed" not in source and "spike_course" not in source:
-        return f"python {relative}    (one process: it uses no torch.distributed)"
-    if "mp.spawn(" in source or "torch.multiprocessing.spawn(" in source:
-        return f"python {relative}    (it starts its own processes with torch.multiprocessing.spawn)"
-    options = "  [options: --help]" if "add_argument(" in source else ""
-    return f"torchrun --standalone --nproc-per-node={nproc} {relative}{options}"
-
-
-def _with_first_line(line: str, source: str) -> str:
-    """Put ``line`` first in the module docstring (adding a docstring if there is none)."""
-    for quotes in ('"""', "'''"):
-        if source.startswith(quotes):
-            return f"{quotes}{line}\n\n{source[len(quotes):]}"
-    return f'"""{line}"""\n{source}'
+def run_line(relative: str, source: str) -> str:
+    """The first line of the worker's docstring, which says how it runs on a node (a
+    torchrun or python command naming the worker, or who imports it); a clear error if not."""
+    first = source.split("\n", 1)[0]
+    line = first[3:].rstrip() if first[:3] in ('"""', "'''") else ""
+    if (line.startswith(("torchrun ", "python ")) and relative in line.split()
+            or line.startswith("Imported by ") and line.endswith("not run on its own.")):
+        return line
+    raise ValueError(
+        f"workers/{relative}: its docstring must start with the line that runs it, e.g. "
+        f'"""torchrun --standalone --nproc-per-node=2 {relative} (or "python {relative}", or '
+        '"Imported by x.py of the same folder; not run on its own." for a module). Found: '
+        f"{first[:80]!r}. Add that line as the first line of the script, under %%writefile.")
 
 
 def notebooks(root, sources=None) -> list[Path]:
@@ -84,15 +66,12 @@ def collect(root, sources=None) -> dict[str, str]:
     collected = {}
     for notebook_path in notebooks(root, sources):
         notebook = nbformat.read(notebook_path, as_version=4)
-        cells = worker_cells(notebook)
-        notebook_source = "\n".join(c.source for c in notebook.cells)
-        for relative, source in cells.items():
-            if relative in collected:
-                raise ValueError(f"two notebooks write workers/{relative}: give one of them "
-                                 f"another name (second one: {notebook_path})")
-            nproc = _ranks(notebook_source, Path(relative).name)
-            line = run_line(relative, source, cells, nproc)
-            collected[relative] = _with_first_line(line, source)
+        for relative, source in worker_cells(notebook).items():
+            if relative in collected and collected[relative] != source:
+                raise ValueError(f"two notebooks write different workers/{relative}: give one "
+                                 f"of them another name (second one: {notebook_path})")
+            run_line(relative, source)  # every worker says how it runs
+            collected[relative] = source
     return collected
 
 
@@ -116,8 +95,8 @@ def unanswered(paths) -> list[Path]:
 
 
 def node_readme(out: Path, written: list[Path]) -> str:
-    lines = [f"    {path.read_text().splitlines()[0].strip(chr(34) * 3)}"
-             for path in sorted(written) if not path.read_text().startswith('"""A module')]
+    lines = [f"    {path.read_text().splitlines()[0][3:]}" for path in sorted(written)
+             if not path.read_text().startswith('"""Imported by')]
     return README.format(runs="\n".join(lines))
 
 

@@ -110,15 +110,34 @@ def test_spike_course_workers_writes_every_chapter_with_its_run_line(tmp_path):
     assert main(["workers", "--out", str(tmp_path)]) == 0
     chapters = {p.parent.name for p in tmp_path.glob("*/*.py")}
     lectures = {p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
-    # Chapter 00 to 09 write Python workers (01 also a C program, which stays in its notebook).
-    assert chapters == lectures
+    assert chapters == lectures  # every chapter writes Python workers (01 also a C program)
+    readme = (tmp_path / "README.md").read_text()
     for path in tmp_path.glob("*/*.py"):
-        first = path.read_text().splitlines()[0]
         relative = f"{path.parent.name}/{path.name}"
+        first = path.read_text().splitlines()[0]
         assert (first.startswith('"""torchrun --standalone --nproc-per-node=') and relative in first
-                or first.startswith(f'"""python {relative}') or "not run on its own" in first), first
+                or first.startswith(f'"""python {relative}') or first.endswith("not run on its own.")), first
+        assert first.startswith('"""Imported by') or first[3:] in readme  # the README copies it
         compile(path.read_text(), str(path), "exec")  # a SyntaxError fails the test
     assert "### BEGIN SOLUTION" not in (tmp_path / "07_launching_at_scale" / "reshape.py").read_text()
+
+
+def test_a_worker_without_its_run_line_is_refused_with_the_fix(tmp_path):
+    import nbformat
+
+    cell = '%%writefile workers/99_x/job.py\n"""Trains something."""\nimport torch.distributed\n'
+    notebook = tmp_path / "99_x.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)]), notebook)
+    with pytest.raises(ValueError, match=r"workers/99_x/job.py: its docstring must start with the "
+                                         r"line that runs it.*torchrun --standalone"):
+        workers.export(ROOT, tmp_path / "out", [notebook])
+    assert not (tmp_path / "out" / "99_x" / "job.py").exists()
+
+
+def test_the_line_must_name_the_worker_itself():
+    with pytest.raises(ValueError, match="must start with the line"):
+        workers.run_line("03_x/train.py", '"""torchrun --standalone --nproc-per-node=2 03_x/other.py\n"""')
+    assert workers.run_line("03_x/a.py", '"""python 03_x/a.py\n\nMore."""') == "python 03_x/a.py"
 
 
 def test_gpu_check_names_the_first_failing_cell(tmp_path):
