@@ -73,10 +73,11 @@ html: $(BIN)/spike-course
 workers: $(BIN)/spike-course
 	$(BIN)/spike-course workers --out cluster_workers
 
-# On a GPU node: run every lecture and solution, print backend, seconds and pass/fail.
+# On a GPU node: run every lecture and solution (or CHAPTERS="03 solutions/11"), print what
+# each notebook's ranks used (backend, device, GPU, precision), seconds and pass/fail.
 # Not part of `make test` (CI has no GPU).
 gpu-check: $(BIN)/spike-course
-	$(BIN)/spike-course gpu-check
+	$(BIN)/spike-course gpu-check $(CHAPTERS)
 
 # How often each chosen test fails in N runs: make flakiness RUNS=10 ITEMS="..."
 RUNS  ?= 10

@@ -243,21 +243,22 @@ def cmd_workers(args) -> int:
 
 
 def cmd_gpu_check(args) -> int:
-    from .gpu_check import backend_in_use, execute, notebooks, table
+    from .gpu_check import execute, notebooks, table
+    from .notebook import describe_devices
 
     paths = notebooks(course_root(), args.names)
     if not paths:
         print(f"no lecture or solution matches {args.names}", file=sys.stderr)
         return 2
-    backend = backend_in_use()
-    if not backend.startswith("nccl"):
-        print(f"note: {backend}: this run proves the command works, not that the course runs on GPUs")
+    machine = describe_devices()
+    print(f"machine: {machine}", flush=True)
     rows = []
     for path in paths:
         rows.append(execute(path, timeout=args.timeout))
         row = rows[-1]
-        print(f"{row['notebook']}: {'pass' if row['ok'] else 'FAIL'} in {row['seconds']:.0f} s", flush=True)
-    print(table(rows, backend))
+        print(f"{row['notebook']}: {'pass' if row['ok'] else 'FAIL'} in {row['seconds']:.0f} s, "
+              f"ranks used {row['backend']} on {row['device']}", flush=True)
+    print(table(rows, machine))
     return 0 if all(row["ok"] for row in rows) else 1
 
 

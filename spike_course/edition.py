@@ -15,7 +15,9 @@ runs again only when one of its code cells changed (or its last run failed).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from unittest import mock
 
 from .notebook import describe_devices
 
@@ -86,7 +88,12 @@ def build_site(notebooks: Path, out_dir: Path, work_dir: Path, timeout: int = 60
     chapters = write_source(notebooks, work_dir / "source")
     conf = dict(CONF, nb_execution_timeout=timeout, nb_execution_cache_path=str(work_dir / "jupyter_cache"))
     # As sphinx-build does: docutils' directives and roles registered for this build only.
-    with patch_docutils(work_dir / "source"), docutils_namespace():
+    # Without MPLBACKEND the kernels myst-nb starts draw inline: a cluster shell's
+    # MPLBACKEND=Agg would publish pages without figures (notebook.show_figures_inline does
+    # the same for a learner's kernel).
+    without_backend = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    with mock.patch.dict(os.environ, without_backend, clear=True), \
+            patch_docutils(work_dir / "source"), docutils_namespace():
         app = Sphinx(srcdir=work_dir / "source", confdir=None, outdir=out_dir, doctreedir=work_dir / "doctrees",
                      buildername="html", confoverrides=conf)
         # A failed run is not cached, and Sphinx would not read an unchanged notebook again:

@@ -20,6 +20,8 @@ from pathlib import Path
 RESULTS_DIR_ENV = "SPIKE_COURSE_RESULTS_DIR"        # folder for results and progress files
 PARENT_PID_ENV = "SPIKE_COURSE_PARENT_PID"          # the kernel: ranks exit when it dies
 COLLECTIVE_TIMEOUT_ENV = "SPIKE_COURSE_COLLECTIVE_TIMEOUT"  # seconds a collective may wait
+# Set by ``spike-course gpu-check`` only: a file every rank's setup() adds a JSON line to.
+PLACEMENT_LOG_ENV = "SPIKE_COURSE_PLACEMENT_LOG"
 
 
 def write_atomically(path, data: bytes) -> None:
@@ -29,6 +31,18 @@ def write_atomically(path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def append_line(path, record: dict) -> None:
+    """Add ``record`` as one JSON line to ``path``: one write of a short line in append mode,
+    so the lines of ranks writing at once do not mix."""
+    with open(path, "a") as log:
+        log.write(json.dumps(record) + "\n")
+
+
+def read_lines(path) -> list[dict]:
+    path = Path(path)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def write_result(results_dir, rank: int, values: dict) -> None:

@@ -19,6 +19,7 @@ import random
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -26,8 +27,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported when setup() runs, not when this module is
     import torch
 
-from .protocol import (COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV, write_progress,
-                       write_result)
+from .protocol import (COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, PLACEMENT_LOG_ENV, RESULTS_DIR_ENV,
+                       append_line, write_progress, write_result)
 
 BACKENDS = ("gloo", "nccl")
 _reported: dict = {}
@@ -58,14 +59,70 @@ def _env_int(name: str) -> int:
     return int(value)
 
 
+# The first NCCL seen to let several processes share one GPU, once NCCL_MULTI_RANK_GPU_ENABLE=1
+# says so (the one in torch 2.14.1's wheel). Older ones stop with "Duplicate GPU detected";
+# they were not checked, so the course does not rely on them.
+NCCL_SHARES_GPUS_FROM = (2, 30)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which backend a rank joins with and which kind of device it computes on."""
+
+    backend: str          # "nccl" or "gloo"
+    device_type: str      # "cuda" or "cpu"
+    shares_gpu: bool      # more ranks on this node than GPUs: several ranks per GPU
+    note: str = ""        # why, when it is not the plain "one rank per GPU" or "no GPU"
+
+
+def choose_placement(local_ranks: int, gpus: int, backend: str | None = None,
+                     device: str | None = None, nccl_version: tuple = (0,)) -> Placement:
+    """The course's one policy for "which backend and device does a rank use".
+
+    ``local_ranks`` ranks on this node, ``gpus`` CUDA GPUs visible. By default: gloo on
+    the CPU without a GPU; NCCL with one GPU per rank; with more ranks than GPUs, NCCL with
+    ranks sharing the GPUs (a GPU fraction under Run:ai) where this NCCL allows it, else
+    gloo on the CPU. ``backend``/``device`` given by the script are obeyed or refused with
+    the reason. ``runtime.setup``, ``spike-course gpu-check`` and every chapter's first
+    cell all ask this function, so they cannot disagree.
+    """
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda'")
+    if backend not in (None, *BACKENDS):
+        raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU, or several ranks per GPU) "
+                         "or 'nccl' (CUDA GPUs)")
+    if (device == "cuda" or backend == "nccl") and not gpus:
+        raise RuntimeError(
+            f"CUDA was asked for (device={device!r}, backend={backend!r}) but torch sees no GPU on "
+            "this machine. Leave device and backend unset to train on the CPU with gloo.")
+    if backend == "nccl" and device == "cpu":
+        raise ValueError("backend='nccl' moves CUDA tensors only: use device='cuda', or backend='gloo' "
+                         "for the CPU")
+    if not gpus or device == "cpu" or (backend == "gloo" and device is None):
+        return Placement("gloo", "cpu", False)
+    shares = local_ranks > gpus
+    asked, backend = backend, backend or "nccl"
+    if shares and backend == "nccl" and tuple(nccl_version) < NCCL_SHARES_GPUS_FROM:
+        why = (f"{local_ranks} ranks on {gpus} GPU(s), and NCCL {'.'.join(map(str, nccl_version))} "
+               "allows one process per GPU")
+        if asked == "nccl":
+            raise RuntimeError(f"{why}: start fewer ranks, or use backend='gloo' to share GPUs")
+        if device == "cuda":
+            return Placement("gloo", "cuda", True, why + ", so they share the GPUs through gloo")
+        return Placement("gloo", "cpu", False, why + ", so the ranks use gloo on the CPU")
+    note = f"{local_ranks} ranks share {gpus} GPU(s)" if shares else ""
+    return Placement(backend, "cuda", shares, note)
+
+
 def setup(backend: str | None = None, device: str | None = None, seed: int | None = 0,
           memory_fraction: float | None = None, timeout: float | None = None,
-          tf32: bool = False) -> Context:
+          tf32: bool = False, deterministic: bool = True) -> Context:
     """Join the process group and return this rank's :class:`Context`.
 
-    backend: "nccl" or "gloo"; by default nccl when CUDA GPUs are present, else gloo.
-    device: "cuda" or "cpu"; by default it follows the backend. With CUDA each rank takes
-        GPU ``local_rank % gpu_count`` (gloo may put several ranks on one GPU; NCCL may not).
+    backend: "nccl" or "gloo"; device: "cuda" or "cpu". By default they follow the
+        hardware (see :func:`choose_placement`). With CUDA each rank takes GPU
+        ``local_rank % gpu_count``; with more ranks than GPUs they share them, which NCCL
+        allows only with NCCL_MULTI_RANK_GPU_ENABLE=1 (set here when it is needed).
     seed: seeds python, numpy and torch the same on every rank (None: leave unseeded).
     memory_fraction: cap this process's share of its GPU's memory (e.g. 0.5). It limits
         memory only, not compute, and the GPU's other tenants still compete for SMs.
@@ -77,52 +134,27 @@ def setup(backend: str | None = None, device: str | None = None, seed: int | Non
     tf32: on CUDA GPUs, let float32 matmuls and cuDNN convolutions use TF32 tensor cores
         (about 3 decimal digits; PyTorch 2.14 does so for convolutions by default). False
         pins full float32, so that a GPU run can be compared with a float32 CPU reference.
+    deterministic: on CUDA GPUs, use deterministic kernels where torch has them (cuDNN
+        picks its algorithm per run, and some kernels add with atomics in a varying
+        order), so that two runs of the same job give the same bits, as they do on a CPU.
     """
     import torch
     import torch.distributed as dist
 
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     _watch_parent()
 
-    has_cuda = torch.cuda.is_available()
-    if device is not None and device not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda'")
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU, or several ranks per GPU) "
-                         "or 'nccl' (one process per CUDA GPU)")
-    if (device == "cuda" or backend == "nccl") and not has_cuda:
-        raise RuntimeError(
-            f"CUDA was asked for (device={device!r}, backend={backend!r}) but torch sees no GPU on "
-            "this machine. Leave device and backend unset to train on the CPU with gloo.")
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if backend is None and device is None and has_cuda and local_ranks > torch.cuda.device_count():
-        # More ranks than GPUs (4 ranks on a 1-GPU laptop): NCCL cannot, so stay on the CPU.
-        if rank == 0:
-            print(f"{local_ranks} ranks on {torch.cuda.device_count()} GPU(s): NCCL needs one process "
-                  "per GPU, so this run uses gloo on the CPU (backend='gloo', device='cuda' shares GPUs)",
-                  flush=True)
-        backend, device = "gloo", "cpu"
-    backend = backend or ("nccl" if has_cuda and device != "cpu" else "gloo")
-    device_type = device or ("cuda" if backend == "nccl" else "cpu")
-
-    if device_type == "cuda":
-        gpu = local_rank % torch.cuda.device_count()
-        if backend == "nccl" and local_ranks > torch.cuda.device_count():
-            raise RuntimeError(
-                f"{local_ranks} ranks on {torch.cuda.device_count()} GPUs: NCCL "
-                "allows one process per GPU. Start fewer ranks, or use backend='gloo' to share GPUs.")
-        torch.cuda.set_device(gpu)
-        torch_device = torch.device("cuda", gpu)
-        if memory_fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(memory_fraction, gpu)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = torch.cuda.nccl.version() if gpus else (0,)
+    placement = choose_placement(local_ranks, gpus, backend, device, nccl)
+    if placement.note and rank == 0:
+        print(f"runtime.setup: {placement.note}", flush=True)
+    if placement.device_type == "cuda":
+        torch_device = _take_gpu(local_rank % gpus, placement, memory_fraction, tf32, deterministic)
     else:
         torch_device = torch.device("cpu")
-
-    if device_type == "cuda":
-        precision = "tf32" if tf32 else "ieee"
-        torch.backends.cuda.matmul.fp32_precision = precision
-        torch.backends.cudnn.conv.fp32_precision = precision
 
     if not dist.is_initialized():
         # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when
@@ -132,16 +164,93 @@ def setup(backend: str | None = None, device: str | None = None, seed: int | Non
         # which aborted about 1 exit in 100 here ("terminate called without an active
         # exception"). Imported first, the defaults are None: the default group at call time.
         import torch.distributed.nn  # noqa: F401
-        options = {"backend": backend}
+        options = {"backend": placement.backend}
         timeout = timeout if timeout is not None else os.environ.get(COLLECTIVE_TIMEOUT_ENV)
         if timeout is not None:  # else init_process_group's default for the backend
             options["timeout"] = timedelta(seconds=float(timeout))
-        if backend == "nccl":
+        if placement.backend == "nccl":
             options["device_id"] = torch_device  # binds the communicator to this rank's GPU
         dist.init_process_group(**options)
     if seed is not None:
         seed_everything(seed)
-    return Context(rank, world_size, local_rank, torch_device, backend)
+    _log_placement(rank, world_size, placement, torch_device)
+    return Context(rank, world_size, local_rank, torch_device, placement.backend)
+
+
+def _take_gpu(gpu: int, placement: Placement, memory_fraction, tf32: bool, deterministic: bool):
+    """Make GPU ``gpu`` this rank's, with the float32 precision and determinism asked for."""
+    import torch
+
+    if placement.shares_gpu and placement.backend == "nccl":
+        # Read by NCCL when the communicator is made, below; without it the bundled NCCL stops
+        # with "Multiple Ranks are using the same GPU".
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    torch.cuda.set_device(gpu)
+    if memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(memory_fraction, gpu)
+    _set_gpu_arithmetic(tf32, deterministic)
+    return torch.device("cuda", gpu)
+
+
+def local_device(tf32: bool = False, deterministic: bool = True):
+    """This process's device without a process group (a bag-of-tasks job): GPU
+    ``LOCAL_RANK % gpu_count`` with the arithmetic ``setup`` would pin, else the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpu = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+    torch.cuda.set_device(gpu)
+    _set_gpu_arithmetic(tf32, deterministic)
+    return torch.device("cuda", gpu)
+
+
+def _set_gpu_arithmetic(tf32: bool, deterministic: bool) -> None:
+    import torch
+
+    precision = "tf32" if tf32 else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision
+    if deterministic:
+        # cuBLAS reads this before its first call; warn_only: a few CUDA kernels have no
+        # deterministic version, and a warning names them instead of stopping the job.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
+@contextmanager
+def gpu_arithmetic(tf32: bool = False, deterministic: bool = True):
+    """Within the block, the float32 precision and determinism ``setup`` pins on a GPU rank:
+    a check that replays a rank's GPU arithmetic in the notebook's kernel uses it."""
+    import torch
+
+    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
+             torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.benchmark)
+    _set_gpu_arithmetic(tf32, deterministic)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved[:2]
+        torch.use_deterministic_algorithms(saved[2], warn_only=saved[3])
+        torch.backends.cudnn.benchmark = saved[4]
+
+
+def _log_placement(rank: int, world_size: int, placement: Placement, device) -> None:
+    """Append what this rank uses to the file ``spike-course gpu-check`` names, if any."""
+    path = os.environ.get(PLACEMENT_LOG_ENV)
+    if not path:
+        return
+    import torch
+
+    on_gpu = device.type == "cuda"
+    append_line(path, {
+        "script": os.path.basename(sys.argv[0]), "rank": rank, "world_size": world_size,
+        "backend": placement.backend, "device": str(device), "shares_gpu": placement.shares_gpu,
+        "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
+        "precision": torch.backends.cuda.matmul.fp32_precision if on_gpu else "float32 (CPU)",
+        "deterministic": torch.are_deterministic_algorithms_enabled() if on_gpu else True})
 
 
 def seed_everything(seed: int) -> None:

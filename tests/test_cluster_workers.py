@@ -152,4 +152,23 @@ def test_gpu_check_names_the_first_failing_cell(tmp_path):
     nbformat.write(notebook, path)
     row = execute(path, timeout=60)
     assert not row["ok"] and row["failure"] == "cell 1: AssertionError: x is not 2"
-    assert "FAIL cell 1: AssertionError" in table([row], "gloo, cpu (no GPU)")
+    assert "FAIL cell 1: AssertionError" in table([row], "a laptop")
+
+
+def test_gpu_check_reports_what_the_ranks_used_and_that_a_cpu_run_is_no_evidence(tmp_path):
+    import nbformat
+
+    from spike_course.gpu_check import execute, table
+
+    (tmp_path / "job.py").write_text(TIMEOUT_PROBE)
+    cell = "from spike_course import launch\nassert launch('job.py', nproc=3, echo=False).ok"
+    path = tmp_path / "03_probe.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)]), path)
+    row = execute(path, timeout=120)
+    assert row["ok"], row["failure"]
+    assert (row["ranks"], row["backend"], row["device"], row["gpu"]) == (3, "gloo", "cpu", "-")
+    report = table([row], "a laptop")
+    assert "| notebook | ranks | backend | device | gpu | precision |" in report
+    assert "NOT GPU EVIDENCE" in report
+    gpu_row = dict(row, backend="nccl", device="cuda:0 (shared)", gpu="NVIDIA H200")
+    assert "NOT GPU EVIDENCE" not in table([gpu_row], "a GPU node")

@@ -3,6 +3,9 @@ links, search, the figure, run times, the notebook's own folder as its working d
 a failing lecture reported (and run again next time), and the cache that makes a second
 build skip the lectures that passed."""
 
+import os
+from unittest import mock
+
 import nbformat
 import pytest
 
@@ -32,7 +35,9 @@ def site(tmp_path_factory):
     _lecture(root / "notebooks" / "00_first.ipynb", "00 · First", "open('here.txt', 'w').write('x')")
     _lecture(root / "notebooks" / "01_second.ipynb", "01 · Second", FIGURE)
     _lecture(root / "notebooks" / "02_broken.ipynb", "02 · Broken", "open('fixed.txt').read()")
-    failed = edition.build_site(root / "notebooks", root / "html", root / "work")
+    # As from a cluster shell, which often exports MPLBACKEND=Agg: the figure must still show.
+    with mock.patch.dict(os.environ, {"MPLBACKEND": "Agg"}):
+        failed = edition.build_site(root / "notebooks", root / "html", root / "work")
     return root, failed
 
 

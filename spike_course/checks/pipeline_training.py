@@ -13,12 +13,28 @@ from __future__ import annotations
 from ._common import CheckFailed, passed
 
 
-def _reference(data, order, config, threads):
+def _reference(data, order, config, threads, devices):
     """The two stages in one process, with the pipeline's arithmetic: per batch, each
     micro-batch's forward through stage 0 then stage 1, the backward of its mean loss
     (gradients accumulate in micro-batch order, as GPipe's do), the sum divided by the
-    number of micro-batches (the schedule's scale_grads), then SGD. One thread per rank
-    in the worker, the same here: the same kernels give the same floats."""
+    number of micro-batches (the schedule's scale_grads), then SGD. Each stage on the device
+    its rank used, with the worker's thread count and, on a GPU, runtime.setup's full
+    float32 and deterministic kernels: the same kernels give the same floats, so the
+    weights can be compared bit for bit on a GPU node as on a laptop."""
+    import torch
+
+    from ..runtime import gpu_arithmetic
+
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with gpu_arithmetic():
+            return _replay(data, order, config, [torch.device(d) for d in devices])
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _replay(data, order, config, devices):
     import torch
     import torch.nn.functional as F
 
@@ -26,44 +42,40 @@ def _reference(data, order, config, threads):
 
     train_x, train_y, test_x, test_y = data
     batch, m = config["batch"], config["microbatches"]
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.manual_seed(0)
-        stages = split_net(Net(dropout=False))
-        params = [p for s in stages for p in s.parameters()]
-        optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=0.9)
-        steps = len(train_y) // batch
-        history = []
-        for epoch in range(config["epochs"]):
-            for s in stages:
-                s.train()
-            for step in range(steps):
-                idx = order[(epoch * steps + step) * batch:(epoch * steps + step + 1) * batch]
-                x, y = train_x[idx], train_y[idx]
-                optimizer.zero_grad()
-                for xb, yb in zip(x.tensor_split(m), y.tensor_split(m)):
-                    out = stages[0](xb)
-                    act = out.detach().requires_grad_()
-                    F.nll_loss(stages[1](act), yb).backward()
-                    out.backward(act.grad)
-                for p in params:
-                    p.grad.div_(m)
-                optimizer.step()
-            for s in stages:
-                s.eval()
-            losses, sizes, correct = [], [], 0
-            with torch.no_grad():
-                for start in range(0, len(test_y), batch):
-                    x, y = test_x[start:start + batch], test_y[start:start + batch]
-                    outputs = [stages[1](stages[0](xb)) for xb in x.tensor_split(m)]  # per micro-batch
-                    losses.append([F.nll_loss(o, yb).item() for o, yb in zip(outputs, y.tensor_split(m))])
-                    sizes.append([len(c) for c in y.tensor_split(m)])
-                    correct += (torch.cat(outputs).argmax(dim=1) == y).sum().item()
-            history.append({"losses": losses, "sizes": sizes, "accuracy": correct / len(test_y)})
-        return [s.state_dict() for s in stages], history
-    finally:
-        torch.set_num_threads(saved_threads)
+    first, last = devices
+    torch.manual_seed(0)
+    stages = [stage.to(device) for stage, device in zip(split_net(Net(dropout=False)), devices)]
+    params = [p for s in stages for p in s.parameters()]
+    optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=0.9)
+    steps = len(train_y) // batch
+    history = []
+    for epoch in range(config["epochs"]):
+        for s in stages:
+            s.train()
+        for step in range(steps):
+            idx = order[(epoch * steps + step) * batch:(epoch * steps + step + 1) * batch]
+            x, y = train_x[idx].to(first), train_y[idx].to(last)
+            optimizer.zero_grad()
+            for xb, yb in zip(x.tensor_split(m), y.tensor_split(m)):
+                out = stages[0](xb)
+                act = out.detach().to(last).requires_grad_()
+                F.nll_loss(stages[1](act), yb).backward()
+                out.backward(act.grad.to(first))
+            for p in params:
+                p.grad.div_(m)
+            optimizer.step()
+        for s in stages:
+            s.eval()
+        losses, sizes, correct = [], [], 0
+        with torch.no_grad():
+            for start in range(0, len(test_y), batch):
+                x, y = test_x[start:start + batch].to(first), test_y[start:start + batch].to(last)
+                outputs = [stages[1](stages[0](xb).to(last)) for xb in x.tensor_split(m)]  # per micro-batch
+                losses.append([F.nll_loss(o, yb).item() for o, yb in zip(outputs, y.tensor_split(m))])
+                sizes.append([len(c) for c in y.tensor_split(m)])
+                correct += (torch.cat(outputs).argmax(dim=1) == y).sum().item()
+        history.append({"losses": losses, "sizes": sizes, "accuracy": correct / len(test_y)})
+    return [{k: v.cpu() for k, v in s.state_dict().items()} for s in stages], history
 
 
 def check_pipeline_training(launched: dict, data_file, functions: str = "pipeline_functions") -> None:
@@ -120,7 +132,9 @@ def check_pipeline_training(launched: dict, data_file, functions: str = "pipelin
 
     config = first["config"]
     data = torch.load(data_file)
-    states, history = _reference(data, first["train_order"], config, launched[0]["threads"])
+    # "cpu" for a worker that did not say: it ran before reports carried the device
+    devices = [launched[r].get("device", "cpu") for r in ranks]
+    states, history = _reference(data, first["train_order"], config, launched[0]["threads"], devices)
     for r in ranks:
         for key, want in states[r].items():
             if not torch.equal(results[r]["state"][key], want):
