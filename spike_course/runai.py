@@ -10,10 +10,11 @@ Two kinds of job:
 * one pod (one node), ``gpus`` GPUs in it: ``runai training submit ... --gpu-devices-request 4``.
   The command usually is ``torchrun --standalone --nproc-per-node=4 train.py`` (or a script
   that uses ``torch.multiprocessing.spawn``).
-* ``workers`` pods that form one PyTorch job: ``runai training pytorch submit ... --workers 16``,
-  elastic when ``min_replicas``/``max_replicas`` are given. The training operator then
-  injects the rendezvous settings as ``PET_*`` environment variables, which ``torchrun``
-  reads as the defaults of its options (see :data:`OPERATOR_ENV`).
+* one PyTorch job of several pods: ``runai training pytorch submit ... --workers 16``,
+  elastic when ``min_replicas``/``max_replicas`` are given. ``--workers`` counts the worker
+  pods; unless ``--no-master`` is given, Run:ai adds a master pod, so ``--workers N`` runs
+  N + 1 pods. The training operator then injects ``PET_*`` environment variables, which
+  ``torchrun`` reads as the defaults of its options (see :data:`OPERATOR_ENV`).
 """
 
 from __future__ import annotations
@@ -23,20 +24,23 @@ import shlex
 
 from .runtime import BACKENDS as PROCESS_GROUP_BACKENDS
 
-# What the training operator injects into each pod of a distributed PyTorch job, and what
-# reads it. torchrun's options all fall back to PET_<OPTION> (torch.distributed.argparse_util).
+# What the Kubeflow training operator (1.7 and later) injects into each pod of a distributed
+# PyTorch job, and when. torchrun's options all fall back to PET_<OPTION>
+# (torch.distributed.argparse_util). Only with a master pod: MASTER_*, WORLD_SIZE, RANK,
+# PET_NPROC_PER_NODE, PET_NODE_RANK. Only with an elastic policy: PET_RDZV_*, PET_MAX_RESTARTS.
 OPERATOR_ENV = {
-    "MASTER_ADDR": "address of the first pod (the rendezvous host)",
-    "MASTER_PORT": "port on that pod",
-    "WORLD_SIZE": "number of PODS (nodes) in the job, not processes",
-    "RANK": "index of this pod, not of a process",
-    "PET_NNODES": "torchrun --nnodes (MIN:MAX for an elastic job)",
-    "PET_NPROC_PER_NODE": "torchrun --nproc-per-node (processes per pod, one per GPU)",
-    "PET_NODE_RANK": "torchrun --node-rank (set by newer operators)",
-    "PET_RDZV_BACKEND": "torchrun --rdzv-backend (c10d)",
-    "PET_RDZV_ENDPOINT": "torchrun --rdzv-endpoint (<job>-worker-0:<port>)",
-    "PET_RDZV_ID": "torchrun --rdzv-id (one id per job)",
-    "PET_MAX_RESTARTS": "torchrun --max-restarts",
+    "MASTER_ADDR": "address of the master pod (<job>-master-0); only if the job has one",
+    "MASTER_PORT": "port on that pod; only with a master pod",
+    "WORLD_SIZE": "pods x processes per pod (nprocPerNode) since operator 1.7; pods alone before, "
+                  "or when nprocPerNode is 'auto'; only with a master pod",
+    "RANK": "index of this POD (master 0, workers 1..N), not of a process; only with a master pod",
+    "PET_NNODES": "torchrun --nnodes: the number of pods, or MIN:MAX for an elastic job",
+    "PET_NPROC_PER_NODE": "torchrun --nproc-per-node (processes per pod, one per GPU); with a master pod",
+    "PET_NODE_RANK": "torchrun --node-rank, the same index as RANK; with a master pod (operator >= 1.7)",
+    "PET_RDZV_BACKEND": "torchrun --rdzv-backend (c10d); elastic jobs only",
+    "PET_RDZV_ENDPOINT": "torchrun --rdzv-endpoint (<job>-worker-0:<port>); elastic jobs only",
+    "PET_RDZV_ID": "torchrun --rdzv-id (one id per job); elastic jobs only, if set in the policy",
+    "PET_MAX_RESTARTS": "torchrun --max-restarts; elastic jobs only",
 }
 
 # flag -> (what it means, where it is in the Run:ai UI's "new training" form)
@@ -55,7 +59,7 @@ FLAGS = {
     "--gpu-request-type": ("whole devices or a portion of one GPU", "Compute resource: GPU fraction"),
     "--gpu-portion-request": ("fraction of one GPU (memory share) per pod",
                               "Compute resource: GPU fraction"),
-    "--workers": ("number of worker pods of a distributed job",
+    "--workers": ("worker pods of a distributed job; a master pod comes on top unless --no-master",
                   "Distributed: framework PyTorch, number of workers"),
     "--min-replicas": ("elastic: fewest pods the job runs with",
                        "Distributed: elastic, minimum replicas"),
@@ -82,7 +86,8 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
         is passed as separate arguments. None keeps the image's own entry point.
     gpus: whole GPUs per pod (``--gpu-devices-request``), or a fraction below 1
         (``--gpu-request-type portion --gpu-portion-request``); 0 for a CPU-only pod.
-    workers: makes it a distributed PyTorch job with that many pods; ``min_replicas`` and
+    workers: makes it a distributed PyTorch job with that many worker pods (Run:ai adds a
+        master pod unless ``--no-master`` is passed in ``extra``); ``min_replicas`` and
         ``max_replicas`` make it elastic (the job runs with anything between them).
     pvc: name of an existing claim, mounted at ``pvc_path``.
     cpu, memory: requests (``7``, ``"64G"``); the limits default to the same values, so

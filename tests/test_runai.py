@@ -90,3 +90,14 @@ def test_environment_variables_become_e_flags():
     line = submit_command("job", "img", "p", "true", env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": 1})
     assert "-e TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 --command" in line
     assert ("-e", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") == describe(line)[-2][:2]
+
+
+def test_operator_env_says_what_world_size_counts_and_when_each_is_set():
+    # training-operator >= 1.7: WORLD_SIZE = pods x nprocPerNode, set only with a master pod;
+    # the rendezvous variables come only with an elastic policy.
+    assert "pods x processes per pod" in OPERATOR_ENV["WORLD_SIZE"]
+    assert "master pod" in OPERATOR_ENV["WORLD_SIZE"] and "master pod" in OPERATOR_ENV["RANK"]
+    assert all("elastic jobs only" in OPERATOR_ENV[k] for k in OPERATOR_ENV if k.startswith("PET_RDZV"))
+    line = submit_command("job", IMAGE, "aiteam", JOB, workers=2, **COMMON)
+    (meaning,) = [m for flag, _, m, _ in describe(line) if flag == "--workers"]
+    assert "master pod comes on top" in meaning
