@@ -90,19 +90,22 @@ IMAGE = "harbor.spike.tue.nl/aiteam/pretrainingcontainer:latest"
 def line(**changes):
     settings = dict(command="cd /data/course; " + torchrun_command("train.py", "--checkpoint",
                                                                    "/data/ckpt/c.pt", nproc_per_node=8),
-                    gpus=8, workers=2, pvc="aiteam", cpu=7, memory="64G")
+                    gpus=8, workers=1, pvc="aiteam", cpu=7, memory="64G")  # + the master pod
     settings.update(changes)
     return submit_command("mnist-capstone", IMAGE, "aiteam", **settings)
 
 
-def test_the_right_runai_line_passes(capsys):
-    check_capstone_submit(line())
+@pytest.mark.parametrize("pods", [dict(), dict(workers=2, extra=["--no-master"])])
+def test_the_right_runai_line_passes(capsys, pods):
+    check_capstone_submit(line(**pods))
     assert "check passed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("changes, message", [
     (dict(workers=None), "not a distributed PyTorch workload"),
-    (dict(workers=16), "--workers is 16"),
+    (dict(workers=2), "asks for 3 pods (2 workers and the master pod Run:ai adds)"),
+    (dict(workers=16), "asks for 17 pods"),
+    (dict(workers=1, extra=["--no-master"]), "asks for 1 pods (1 workers, no master)"),
     (dict(gpus=1), "--gpu-devices-request is 1"),
     (dict(command="cd /data/course; python3 train.py"), "does not start torchrun"),
     (dict(command="cd /data/course; torchrun --standalone --nproc-per-node=8 train.py"), "--standalone"),
@@ -112,5 +115,5 @@ def test_the_right_runai_line_passes(capsys):
     (dict(pvc=None), "mount the team's volume"),
 ])
 def test_runai_mistakes_are_named(changes, message):
-    with pytest.raises(CheckFailed, match=message.replace("(", r"\(")):
+    with pytest.raises(CheckFailed, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_capstone_submit(line(**changes))

@@ -430,9 +430,13 @@ def check_capstone_submit(line: str, script: str = "train.py", nodes: int = 2,
         raise CheckFailed("this is not a distributed PyTorch workload: `runai training submit` makes "
                           "ONE pod. Pass workers=... to submit_command for `runai training pytorch "
                           "submit`, so the training operator starts the pods and their rendezvous.")
-    if value("--workers") != str(nodes):
-        raise CheckFailed(f"--workers is {value('--workers')}, but the job should use {nodes} nodes: "
-                          f"one worker pod per DGX node, workers={nodes}.")
+    master = "--no-master" not in words  # Run:ai adds a master pod, which trains too, unless told not to
+    pods = int(value("--workers")) + master
+    if pods != nodes:
+        raise CheckFailed(f"this line asks for {pods} pods ({value('--workers')} workers"
+                          + (" and the master pod Run:ai adds" if master else ", no master") +
+                          f"), each a whole DGX node, but the job should use {nodes} nodes: count every "
+                          "pod that trains.")
     if value("--gpu-devices-request") != str(gpus_per_node):
         raise CheckFailed(f"--gpu-devices-request is {value('--gpu-devices-request')}: a pod is one node "
                           f"here, so ask for all its {gpus_per_node} GPUs (gpus={gpus_per_node}).")
@@ -459,5 +463,5 @@ def check_capstone_submit(line: str, script: str = "train.py", nodes: int = 2,
         raise CheckFailed("mount the team's volume (pvc=...) and keep the script and --checkpoint "
                           "on it (cd /data/...): a pod's own disk disappears with the pod, and with "
                           "it the checkpoint a restarted job needs.")
-    passed(f"`runai training pytorch submit` with {nodes} worker pods of {gpus_per_node} GPUs, each "
+    passed(f"`runai training pytorch submit` with {nodes} pods of {gpus_per_node} GPUs, each "
            f"running torchrun on {script} with the rendezvous from the PET_* variables")
