@@ -172,3 +172,18 @@ def test_gpu_check_reports_what_the_ranks_used_and_that_a_cpu_run_is_no_evidence
     assert "NOT GPU EVIDENCE" in report
     gpu_row = dict(row, backend="nccl", device="cuda:0 (shared)", gpu="NVIDIA H200")
     assert "NOT GPU EVIDENCE" not in table([gpu_row], "a GPU node")
+
+
+def test_a_helper_module_does_no_work_when_imported(cluster):
+    """A module that workers import (its run line says so) parses no flags, joins no process
+    group and needs no RANK: importing it with a stranger's flags and no launcher works."""
+    folder, env = cluster
+    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    modules = [p for p in (folder / "workers").glob("*/*.py") if p.read_text().startswith('"""Imported by')]
+    assert len(modules) >= 5
+    for module in modules:
+        probe = (f"import sys; sys.argv += ['--not-its-flag']; import {module.stem}; "
+                 "import torch.distributed as dist; assert not dist.is_initialized()")
+        done = subprocess.run([sys.executable, "-c", probe], cwd=module.parent, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"importing {module.parent.name}/{module.name}:\n{done.stderr[-2000:]}"
