@@ -71,5 +71,7 @@ def table(rows, machine: str) -> str:
                  row["precision"], f"{row['seconds']:.1f}", result)
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     passed = sum(row["ok"] for row in rows)
-    lines.append(f"{passed} passed, {len(rows) - passed} failed")
+    lines.append(f"{passed} passed, {len(rows) - passed} failed. ranks: how many ranks called "
+                 "runtime.setup over the notebook's launches; 0 and '-': none did (the capstone's "
+                 "scripts import nothing of the course, some exercises run in one process).")
     return "\n".join(lines)
