@@ -195,17 +195,20 @@ def cmd_grade(args) -> int:
 
     failed = 0
     for name in args.notebooks:
-        checks = grade(name, timeout=args.timeout, solutions_dir=course_root() / "solutions")
+        report = grade(name, timeout=args.timeout, solutions_dir=course_root() / "solutions")
+        checks = [entry for entry in report if entry.get("name") != "grading"]
+        problems = [entry for entry in report if entry.get("name") == "grading"]
         cells = len(nbformat.read(name, as_version=4).cells)
         passed = sum(check["error"] is None for check in checks)
-        print(f"{name}: {passed} of {len(checks)} checks pass")
-        for check in checks:
+        print(f"{name}: {passed} of {len(checks)} checks pass"
+              + (f", and {len(problems)} grading problem(s)" if problems else ""))
+        for entry in checks + problems:
             # Numbered as JupyterLab's status bar shows the cell: "Cell 12/12".
-            where = "a deleted check cell" if check["index"] is None else f"cell {check['index'] + 1}/{cells}"
-            state = "pass" if check["error"] is None else "FAIL"
-            line = f"  {state}  {where}, {check_name(check['source'])}"
-            print(line + (f": {check['error'].strip()[:500]}" if check["error"] else ""))
-        failed += passed < len(checks) or not checks
+            where = "a deleted cell" if entry["index"] is None else f"cell {entry['index'] + 1}/{cells}"
+            state = "pass" if entry["error"] is None else "FAIL"
+            line = f"  {state}  {where}, {entry.get('name') or check_name(entry['source'])}"
+            print(line + (f": {entry['error'].strip()[:500]}" if entry["error"] else ""))
+        failed += passed < len(checks) or not checks or bool(problems)
     return 1 if failed else 0
 
 

@@ -1,9 +1,12 @@
 """Grade exercise notebooks: run them headless and report each check cell.
 
 CI runs the blank exercises through :func:`execute_cells` (every check must fail on the
-blank); ``spike-course grade`` runs a learner's through :func:`grade`, which first puts
-the check cells back as ``solutions/`` generates them, as nbgrader does
-(https://nbgrader.readthedocs.io), so an edited check cannot pass a wrong answer.
+blank); ``spike-course grade`` runs a learner's through :func:`grade`, which does not run
+the learner's notebook at all: as nbgrader does with its locked cells
+(https://nbgrader.readthedocs.io), it rebuilds the notebook from ``solutions/`` and takes
+only the learner's answer regions (:func:`rebuild`). A check redefined in an added cell,
+an edited reference or check cell, or an answer that borrows the checks' own code or
+reads ``solutions/`` cannot pass: each is reported as a failure that says what it was.
 """
 
 from __future__ import annotations
@@ -13,7 +16,16 @@ from pathlib import Path
 
 import nbformat
 
-from .exercises import CHECK_TAG, make_exercise
+from .exercises import CHECK_TAG, STUB, has_solution, make_exercise
+
+# The two lines a solution region becomes in the exercise (exercises.blank_source).
+_BLANK = re.compile(r"^[ \t]*# YOUR CODE HERE\n[ \t]*" + re.escape(STUB) + r"[ \t]*$", re.M)
+# What an answer must not use: the checks' own code (their references), or the solutions.
+_BORROWED = re.compile(r"spike_course\.checks|from\s+spike_course\s+import[^\n]*\bchecks\b|\bchecks\.\w"
+                       r"|[\"'][^\"'\n]*\bsolutions\b[^\"'\n]*[\"']")
+# What an added cell must not do: redefine a check, or what the checks raise and print.
+_TAMPERING = re.compile(r"\bchecks\s*\.\s*\w+\s*=(?!=)|setattr\s*\(\s*checks|def\s+check_\w+"
+                        r"|\bcheck_\w+\s*=(?!=)|CheckFailed\s*=(?!=)|\bpassed\s*=(?!=)|sys\.modules")
 
 
 def execute_cells(path, timeout: int = 600, notebook=None) -> list[dict]:
@@ -43,19 +55,60 @@ def check_name(source: str) -> str:
     return ([name for name in called if name.startswith("check_")] or called or ["the check cell"])[-1]
 
 
-def restore_checks(notebook, exercise) -> list[str]:
-    """Put the check cells of ``exercise`` back into a learner's ``notebook`` (matched by
-    cell id), so an edited check cannot pass a wrong answer. Returns the sources of the
-    check cells the learner's notebook no longer has."""
-    originals = {cell.id: cell for cell in exercise.cells if CHECK_TAG in cell.metadata.get("tags", [])}
-    for cell in notebook.cells:
-        original = originals.pop(cell.get("id"), None)
-        if original is not None:
-            cell.cell_type, cell.source = "code", original.source
-            cell.metadata["tags"] = list(original.metadata["tags"])
-            cell.setdefault("outputs", [])
-            cell.setdefault("execution_count", None)
-    return [cell.source for cell in originals.values()]
+def _lines(source: str) -> str:
+    """Source compared as a reader sees it: trailing spaces and final newlines do not count."""
+    return "\n".join(line.rstrip() for line in source.rstrip().splitlines())
+
+
+def answers_in(blank: str, learner: str) -> list[str] | None:
+    """The learner's text at each blank of an exercise cell, in order, or None when the code
+    around the blanks is no longer the exercise's (the learner edited outside an answer)."""
+    pieces = _BLANK.split(_lines(blank))
+    pattern = "(.*?)".join(re.escape(piece) for piece in pieces)
+    found = re.fullmatch(pattern, _lines(learner), re.S)
+    return list(found.groups()) if found else None
+
+
+def rebuild(learner, solution, name: str = "") -> tuple:
+    """The notebook grade runs, and what is wrong with the learner's: the exercise's cells
+    with each blank filled from the learner's cell of the same id, and nothing else.
+
+    Returns (notebook, problems): problems are {"id", "error"} for a reference or check cell
+    the learner edited, code changed around an answer, an answer that borrows the checks'
+    code or reads solutions/, and an added cell that touches the checks. Added cells are
+    never run; an edited reference cell runs as the course wrote it.
+    """
+    exercise = make_exercise(solution, name)
+    theirs = {cell.get("id"): cell for cell in learner.cells if cell.cell_type == "code"}
+    problems = []
+    for index, cell in enumerate(exercise.cells):
+        mine = theirs.pop(cell.get("id"), None)
+        if cell.cell_type != "code" or mine is None:
+            continue
+        if not has_solution(solution.cells[index]):
+            if _lines(mine.source) != _lines(cell.source):
+                kind = "check" if CHECK_TAG in cell.metadata.get("tags", []) else "reference"
+                problems.append({"id": cell.id, "error": f"EditedCell: this {kind} cell differs from the "
+                                 "exercise's; it is graded as the course wrote it, so the edit cannot help"})
+            continue
+        answers = answers_in(cell.source, mine.source)
+        if answers is None:
+            problems.append({"id": cell.id, "error": "EditedCell: the code around the answer (outside "
+                             "# YOUR CODE HERE) was changed; only the answer is graded: put the rest back "
+                             "as the exercise has it"})
+            continue
+        borrowed = [m.group(0) for answer in answers for m in [_BORROWED.search(answer)] if m]
+        if borrowed:
+            problems.append({"id": cell.id, "error": f"BorrowedAnswer: the answer uses {borrowed[0]!r}, "
+                             "the course's checks or solutions: the exercise asks for your own code"})
+        pieces = _BLANK.split(_lines(cell.source))
+        cell.source = pieces[0] + "".join(a + p for a, p in zip(answers, pieces[1:]))
+    for cell in theirs.values():
+        if _TAMPERING.search(cell.source):
+            problems.append({"id": cell.get("id"), "error": "AddedCell: a cell you added touches the "
+                             "checks; grading never runs added cells, and a check redefined there "
+                             "counts as a failure"})
+    return exercise, problems
 
 
 def grade(path, timeout: int = 600, solutions_dir=None) -> list[dict]:
@@ -72,9 +125,13 @@ def grade(path, timeout: int = 600, solutions_dir=None) -> list[dict]:
         raise FileNotFoundError(
             f"no {solution} to take the check cells from: grade a notebook named as in "
             f"solutions/ (for example exercises/03_data_parallel.ipynb) from the course folder")
-    notebook = nbformat.read(path, as_version=4)
-    missing = restore_checks(notebook, make_exercise(nbformat.read(solution, as_version=4), solution.name))
-    checks = [cell for cell in execute_cells(path, timeout, notebook) if CHECK_TAG in cell["tags"]]
-    return checks + [{"index": None, "tags": [CHECK_TAG], "source": source,
-                      "error": f"MissingCheck: this check cell was deleted; copy it back from {solution.name}"}
-                     for source in missing]
+    learner = nbformat.read(path, as_version=4)
+    notebook, problems = rebuild(learner, nbformat.read(solution, as_version=4), solution.name)
+    position = {cell.get("id"): index for index, cell in enumerate(learner.cells)}
+    checks = [dict(cell, index=position.get(notebook.cells[cell["index"]].get("id")))
+              for cell in execute_cells(path, timeout, notebook) if CHECK_TAG in cell["tags"]]
+    for check in checks:
+        if check["index"] is None:
+            check["error"] = f"MissingCheck: this check cell was deleted; copy it back from {solution.name}"
+    return checks + [{"index": position.get(problem["id"]), "tags": [], "source": "", "name": "grading",
+                      "error": problem["error"]} for problem in problems]

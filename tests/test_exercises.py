@@ -189,9 +189,9 @@ def test_blank_exercise_runs_and_every_check_fails(name, tmp_path):
 
 @pytest.mark.processes
 def test_grade_runs_the_course_checks_not_the_learners(tmp_path, monkeypatch, capfd):
-    """A check cell edited to pass still fails a wrong (here: blank) answer: grade puts the
-    course's check back before it runs the notebook, and names each check by its cell as
-    JupyterLab numbers it and by the check it calls."""
+    """A check cell edited to pass still fails a wrong (here: blank) answer: grade runs the
+    course's check instead, names each check by its cell as JupyterLab numbers it and by the
+    check it calls, and reports the edit itself as a grading problem."""
     from spike_course.cli import main
 
     name = "02_distributed_sampling.ipynb"
@@ -210,11 +210,15 @@ def test_grade_runs_the_course_checks_not_the_learners(tmp_path, monkeypatch, ca
     assert "WARNING" not in printed.err, printed.err  # ipykernel's warning about TCP, for one
     checks = [number for number, cell in enumerate(learner.cells, 1)
               if exercises.CHECK_TAG in cell.metadata.get("tags", [])]
-    assert report[0] == f"{path}: 0 of {len(checks)} checks pass"
+    # each edited check cell is also a grading problem of its own
+    assert report[0] == f"{path}: 0 of {len(checks)} checks pass, and {len(checks)} grading problem(s)"
     lines = [line for line in report[1:] if line.startswith(("  pass", "  FAIL"))]
-    assert len(lines) == len(checks)
+    assert len(lines) == 2 * len(checks)
     for line, number in zip(lines, checks):
         assert line.startswith(f"  FAIL  cell {number}/{len(learner.cells)}, check_sampler: "), line
+    for line, number in zip(lines[len(checks):], checks):
+        assert line.startswith(f"  FAIL  cell {number}/{len(learner.cells)}, grading: EditedCell: this "
+                               "check cell"), line
 
 
 def test_each_check_cell_is_named_by_the_check_it_calls():
@@ -226,14 +230,6 @@ def test_each_check_cell_is_named_by_the_check_it_calls():
     source = "reports = checks.launch_reports(job, 'evaluate')\nchecks.check_distributed_accuracy(reports)"
     assert grading.check_name(source) == "check_distributed_accuracy"
     assert grading.check_name("assert answer == 42") == "the check cell"
-
-
-def test_a_deleted_check_cell_is_reported_missing():
-    exercise = BLANKS["02_distributed_sampling.ipynb"]
-    learner = nbformat.from_dict(exercise)
-    learner.cells = [cell for cell in learner.cells if exercises.CHECK_TAG not in cell.metadata.get("tags", [])]
-    missing = grading.restore_checks(learner, exercise)
-    assert missing and all("checks." in source for source in missing)
 
 
 def test_grade_needs_the_solutions_to_take_the_checks_from(tmp_path):
