@@ -12,7 +12,7 @@ from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 import spike_course
-from spike_course import checks, data, models
+from spike_course import checks, data, models, workers
 from spike_course.checks import CheckFailed
 from spike_course.launcher import LaunchResult
 
@@ -236,3 +236,46 @@ def test_a_blank_or_crashed_worker_is_named():
         0: [], 1: ["RuntimeError: shape '[32]' is invalid for input of size 288"]})
     with pytest.raises(CheckFailed, match="rank 1 failed .*shape"):
         checks.check_flat_allreduce(crashed, {})
+
+
+# --- chapter 03, exercise 2: the evaluation is split between the ranks ---
+
+def test_an_evaluation_that_every_rank_runs_whole_is_named():
+    shards = {0: (5, 6, 5, 6), 1: (2, 5, 3, 6)}
+    # the right value, but each rank ran the model on all 11 samples: nothing was distributed
+    text = message(lambda: checks.check_distributed_accuracy({0: 7 / 11, 1: 7 / 11}, 7, 11, shards, {0: 11, 1: 11}))
+    assert "rank 0 ran the model on 11 test samples" in text and "not split" in text
+    assert "never evaluated" in message(
+        lambda: checks.check_distributed_accuracy({0: 7 / 11, 1: 7 / 11}, 7, 11, shards, {0: 6, 1: 0}))
+    checks.check_distributed_accuracy({0: 7 / 11, 1: 7 / 11}, 7, 11, shards, {0: 6, 1: 6})  # padding included
+
+
+WHOLE_TEST_SET = '''def evaluate(model, dataset, device, batch_size=100):
+    """Every rank evaluates everything: the right number, and no distribution at all."""
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for x, y in DataLoader(dataset, batch_size=batch_size):
+            correct += (model(x.to(device)).argmax(1) == y.to(device)).sum().item()
+    model.train()
+    return correct / len(dataset)
+
+
+'''
+
+
+@pytest.mark.processes
+def test_the_trivial_whole_test_set_answer_fails_for_real(worker, no_orphans):
+    notebook = nbformat.read(ROOT / "solutions" / "03_data_parallel.ipynb", as_version=4)
+    source = workers.worker_cells(notebook)["03_data_parallel/evaluate.py"]
+    planted = source[:source.index("def evaluate(")] + WHOLE_TEST_SET + source[source.index("def shard_counts("):]
+    total = 101
+    job = spike_course.launch(worker(planted), nproc=2, args=["--test-samples", total, "--train-steps", 2],
+                              echo=False, progress=False, timeout=120)
+    reports = job.reports
+    correct = round(reports[0]["accuracy"] * total)
+    assert reports[0]["accuracy"] == correct / total  # the value alone would pass
+    text = message(lambda: checks.check_distributed_accuracy(
+        {r: reports[r]["accuracy"] for r in range(2)}, correct, total,
+        {r: reports[r]["shard"] for r in range(2)}, {r: reports[r]["evaluated"] for r in range(2)}))
+    assert f"ran the model on {total} test samples" in text

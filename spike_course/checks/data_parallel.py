@@ -144,14 +144,19 @@ def _largest_magnitude(tensors: dict) -> float:
     return max(float(v.abs().max()) for v in tensors.values())
 
 
-def check_distributed_accuracy(reported: dict, correct: int, total: int, shards: dict) -> None:
+def check_distributed_accuracy(reported: dict, correct: int, total: int, shards: dict,
+                               evaluated: dict | None = None) -> None:
     """Check an all-reduced evaluation against a single-process count of ``correct`` of ``total``.
 
     ``reported[r]`` is the accuracy rank r's evaluate() returned; ``shards[r]`` is that rank's
     own ``(correct, seen, correct_with_padding, seen_with_padding)``: its counts over
-    its real samples, and over everything its DistributedSampler gave it, padding included.
-    Names the usual mistakes.
+    its real samples, and over everything its DistributedSampler gave it, padding included;
+    ``evaluated[r]`` how many samples rank r's model ran on during evaluate(). Names the
+    usual mistakes; a whole test set evaluated on every rank gives the right number, so the
+    split is checked first.
     """
+    if evaluated is not None:
+        _check_split(evaluated, total)
     expected = correct / total
     values = {rank: float(value) for rank, value in reported.items()}
     if len(set(values.values())) > 1:
@@ -180,3 +185,16 @@ def check_distributed_accuracy(reported: dict, correct: int, total: int, shards:
             f"accuracy {value:.6f} is the mean of the ranks' accuracies; with shards of different sizes "
             "that is not the accuracy of the test set. all_reduce the correct and seen COUNTS, then divide.")
     raise CheckFailed(f"accuracy {value:.6f} differs from the single-process {expected:.6f} ({correct}/{total})")
+
+
+def _check_split(evaluated: dict, total: int) -> None:
+    """Each rank runs the model on its own share of the test set only, and the shares cover it."""
+    share = -(-total // len(evaluated))  # a DistributedSampler's share, padding included
+    for rank, count in sorted(evaluated.items()):
+        if count > share:
+            raise CheckFailed(f"rank {rank} ran the model on {count} test samples, more than one rank's "
+                              f"share ({share} of {total} on {len(evaluated)} ranks): the evaluation was not "
+                              "split between the ranks, so it is not distributed.")
+    if sum(evaluated.values()) < total:
+        raise CheckFailed(f"the ranks ran the model on {sum(evaluated.values())} test samples together, fewer "
+                          f"than the {total} of the test set: some samples were never evaluated.")
