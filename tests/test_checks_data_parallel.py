@@ -77,9 +77,19 @@ def message(call) -> str:
     return str(info.value)
 
 
-def test_the_real_sampler_and_a_faithful_copy_pass():
-    checks.check_sampler(DistributedSampler)
+def test_a_faithful_copy_passes():
     checks.check_sampler(GoodSampler)
+
+
+class Inherits(DistributedSampler):
+    pass
+
+
+@pytest.mark.parametrize("sampler", [DistributedSampler, Inherits])
+def test_torchs_own_order_is_not_an_answer(sampler):
+    """`MySampler = DistributedSampler`, or a subclass that adds nothing: the trivial answers."""
+    assert "inherits __iter__ and __len__ from torch's DistributedSampler" in message(
+        lambda: checks.check_sampler(sampler))
 
 
 @pytest.mark.parametrize("sampler", [IgnoresRank, OwnSeedPerRank])
