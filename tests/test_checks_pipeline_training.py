@@ -60,6 +60,8 @@ def test_solution_passes(launched, data_file, capsys):
 MISTAKES = {
     "seed_per_rank": ([("manual_seed(SEED)", "manual_seed(SEED + torch.distributed.get_rank())", 1)],
                       "different orders"),
+    "global_generator": ([("shuffle=shuffle, generator=generator)", "shuffle=shuffle)", 1)],
+                         "different orders"),
     "distributed_sampler": ([("shuffle=shuffle, generator=generator)",
                                "sampler=torch.utils.data.DistributedSampler(dataset, shuffle=shuffle))", 1)],
                              "read disjoint training samples"),
