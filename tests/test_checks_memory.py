@@ -223,3 +223,23 @@ def test_peak_solution_passes(capsys):
 def test_peak_mistakes_are_named(old, new, message):
     with pytest.raises(CheckFailed, match=message):
         check_peak_prediction(planted_peak(old, new))
+
+
+def test_calling_the_whole_memory_plan_is_not_an_answer():
+    from spike_course import costmodel
+
+    def by_name(model, seq, global_batch, gpus, accumulation, shard, precision, checkpoint):
+        micro = global_batch // (gpus * accumulation)
+        return costmodel.memory_plan(model, seq, micro, dp=gpus, shard=shard, precision=precision,
+                                     checkpoint=checkpoint)["total"]
+
+    plan = costmodel.memory_plan  # an alias hides the name, not the function
+
+    def by_alias(*job):
+        model, seq, global_batch, gpus, accumulation, shard, precision, checkpoint = job
+        return plan(model, seq, global_batch // (gpus * accumulation), dp=gpus, shard=shard,
+                    precision=precision, checkpoint=checkpoint)["total"]
+
+    for answer in (by_name, by_alias):
+        with pytest.raises(CheckFailed, match=r"peak_bytes calls (memory_plan|plan): the course's whole memory plan"):
+            check_peak_prediction(answer)

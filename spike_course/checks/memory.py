@@ -164,12 +164,36 @@ PEAK_JOBS = [
 ]
 
 
+def _check_own_sum(peak_bytes) -> None:
+    """The exercise is to add up the parts: calling the cost model's whole plan (by its name
+    or an alias) hands back the answer the check compares with."""
+    from .. import costmodel
+
+    whole = {costmodel.memory_plan, costmodel.fit_suggestions}
+    codes, names = [peak_bytes.__code__], set()
+    while codes:  # the function's own names and those of functions defined inside it
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if hasattr(c, "co_names")]
+    seen = dict(peak_bytes.__globals__)  # what a name means inside peak_bytes: a global...
+    seen.update(zip(peak_bytes.__code__.co_freevars,  # ...or a variable of an enclosing function
+                    (cell.cell_contents for cell in peak_bytes.__closure__ or ())))
+    names.update(peak_bytes.__code__.co_freevars)
+    used = sorted(n for n in names if n in ("memory_plan", "fit_suggestions")
+                  or any(seen.get(n) is function for function in whole))
+    if used:
+        raise CheckFailed(f"peak_bytes calls {', '.join(used)}: the course's whole memory plan, which is "
+                          "what this check compares with. Add up the model states and the activations "
+                          "yourself, from the smaller pieces of the cost model.")
+
+
 def check_peak_prediction(peak_bytes) -> None:
     """Check exercise 2: ``peak_bytes(model, seq, global_batch, gpus, accumulation, shard,
     precision, checkpoint)`` against ``costmodel.memory_plan`` on several jobs, naming the
     usual slip when they disagree."""
     from ..costmodel import memory_plan
 
+    _check_own_sum(peak_bytes)
     for job in PEAK_JOBS:
         model, seq, global_batch, gpus, accumulation, shard, precision, checkpoint = job
         micro = global_batch // (gpus * accumulation)
