@@ -1,5 +1,7 @@
 """Chapter 04: the GPipe-by-hand check names the likely mistake; Net splits cleanly."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -100,3 +102,63 @@ def test_mismatched_pairing_named(problem):
 def test_anything_else_lists_the_parameters(problem):
     torch.manual_seed(2)
     fails_with({k: torch.randn_like(v) for k, v in problem[0].items()}, problem, "fc2.bias", "differ")
+
+
+# --- the schedule itself: GPipe's order, and a pipeline at all ---
+
+def gpipe_events(rank, m=M):
+    if rank == 0:
+        return ["forward", "send"] * m + ["recv", "backward"] * m
+    return ["recv", "forward"] * m + ["backward", "send"] * m
+
+
+def test_gpipes_schedule_passes(capsys):
+    checks.check_gpipe_schedule({0: gpipe_events(0), 1: gpipe_events(1)}, M)
+    assert "the schedule is GPipe's" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("events, words", [
+    ({0: ["forward", "backward"] * M, 1: ["forward", "backward"] * M}, "rank 0 never sent"),
+    ({0: ["forward", "send", "recv", "backward"] * M, 1: ["recv", "forward", "backward", "send"] * M},
+     "1F1B"),
+    ({0: ["forward", "send"] + ["recv", "backward"], 1: gpipe_events(1)}, "ran 1 forward passes for 4"),
+    ({0: gpipe_events(0) + ["send"], 1: gpipe_events(1)}, "sent 5 and received 4"),
+])
+def test_a_wrong_schedule_is_named(events, words):
+    with pytest.raises(checks.CheckFailed, match=words):
+        checks.check_gpipe_schedule(events, M)
+
+
+WHOLE_MODEL = '''def gpipe_step(stage, x, y, m):
+    """Each rank computes its stage's gradients from a whole model of its own: no pipeline."""
+    xs, ys = torch.load(args.batch_file)
+    torch.manual_seed(0)
+    whole = Net(dropout=False).to(ctx.device)
+    mine = split_net(whole)[ctx.rank]
+    loss = F.nll_loss(whole(xs.to(ctx.device)), ys.to(ctx.device))
+    loss.backward()
+    for p, q in zip(stage.parameters(), mine.parameters()):
+        p.grad = q.grad.clone()
+    return loss.item() if ctx.rank == 1 else None
+'''
+
+
+@pytest.mark.processes
+def test_gradients_from_a_whole_local_model_are_not_a_pipeline(worker, tmp_path):
+    """The gradients are right (each rank computed them from the whole model and the whole
+    batch, read from the file): only the schedule shows that nothing was pipelined."""
+    import nbformat
+
+    from spike_course import launch, workers
+
+    root = Path(__file__).resolve().parents[1]
+    notebook = nbformat.read(root / "solutions" / "04_pipeline_parallel.ipynb", as_version=4)
+    source = workers.worker_cells(notebook)["04_pipeline_parallel/gpipe_by_hand.py"]
+    start, end = source.index("def gpipe_step("), source.index("torch.manual_seed(0)\nstage = ")
+    torch.manual_seed(1)
+    torch.save((torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))), tmp_path / "batch.pt")
+    job = launch(worker(source[:start] + WHOLE_MODEL + source[end:]), nproc=2, echo=False, progress=False,
+                 args=["--batch-file", tmp_path / "batch.pt", "--microbatches", M], timeout=120)
+    events = {r: job.reports[r]["events"] for r in range(2)}
+    with pytest.raises(checks.CheckFailed, match="never sent anything"):
+        checks.check_gpipe_schedule(events, M)

@@ -18,7 +18,7 @@ from .data_parallel import check_distributed_accuracy, check_flat_allreduce
 from .federated import check_fedavg
 from .launching import check_resharded_resume
 from .message_passing import check_tree_allreduce, check_exchange
-from .pipeline import check_pipeline_gradients
+from .pipeline import check_gpipe_schedule, check_pipeline_gradients
 from .pipeline_training import check_pipeline_training
 from .sampling import check_sampler
 from .tensor_parallel import check_tp_plan, check_vocab_parallel_embedding

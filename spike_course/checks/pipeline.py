@@ -15,8 +15,36 @@ def _scale_between(actual: dict, expected: dict) -> float:
     return num / den if den else float("nan")
 
 
+def check_gpipe_schedule(events: dict, microbatches: int) -> None:
+    """What each rank did, in order ("forward", "backward" of its stage; "send", "recv", ...),
+    is a GPipe step over two stages: every stage runs each of the m micro-batches forward and
+    backward, all forwards before the first backward, and the stages exchange activations and
+    gradients (m each way)."""
+    m = microbatches
+    for rank, done in sorted(events.items()):
+        sends = sum(e in ("send", "isend") for e in done)
+        recvs = sum(e in ("recv", "irecv") for e in done)
+        if not sends or not recvs:
+            raise CheckFailed(f"rank {rank} {'never sent' if not sends else 'never received'} anything: the "
+                              "stages did not exchange activations and gradients, so this is not a pipeline.")
+        for kind in ("forward", "backward"):
+            if done.count(kind) != m:
+                raise CheckFailed(f"rank {rank}'s stage ran {done.count(kind)} {kind} passes for {m} "
+                                  f"micro-batches: each micro-batch goes through each stage once each way.")
+        if sends != m or recvs != m:
+            raise CheckFailed(f"rank {rank} sent {sends} and received {recvs} tensors for {m} micro-batches: "
+                              "one activation forward and one gradient back per micro-batch.")
+        last_forward = max(i for i, e in enumerate(done) if e == "forward")
+        if done.index("backward") < last_forward:
+            raise CheckFailed(f"rank {rank} ran a backward before its last forward: that is 1F1B (or one "
+                              "micro-batch at a time), not GPipe's all forwards, then all backwards.")
+    passed(f"the schedule is GPipe's: on every rank {m} forwards, then {m} backwards, with {m} "
+           "activations and gradients exchanged")
+
+
 def check_pipeline_gradients(grads: dict, reference: dict, microbatches: int, stages: dict | None = None,
-                       last_microbatch: dict | None = None, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+                       last_microbatch: dict | None = None, rtol: float = 1e-4, atol: float = 1e-6,
+                       events: dict | None = None) -> None:
     """Check the gradients of a hand-written GPipe step against the single-process model.
 
     grads: parameter name -> gradient after the pipelined step (all stages merged).
@@ -25,8 +53,13 @@ def check_pipeline_gradients(grads: dict, reference: dict, microbatches: int, st
     stages: name -> stage index, so a message can say which stage went wrong.
     last_microbatch: name -> gradient of the last micro-batch's own mean loss (optional;
         lets the check recognise "only the last micro-batch's gradient survived").
+    events: rank -> what the rank did, in order (see :func:`check_gpipe_schedule`), checked
+        first: right gradients from a wrong schedule, or from no pipeline at all, do not pass.
     """
     import torch
+
+    if events is not None:
+        check_gpipe_schedule(events, microbatches)
 
     m = microbatches
     stages = stages or {}
