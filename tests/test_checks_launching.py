@@ -223,3 +223,27 @@ def test_lrs_that_agree_to_rounding_pass(solution, capsys):
     """A closed-form schedule (lr * gamma ** k) may differ from the chained one in the last bit."""
     check(edited(solution, lambda u, f, r: scale_lr(r, 1 + 2 ** -52)))
     assert "check passed" in capsys.readouterr().out
+
+
+@pytest.mark.processes
+def test_a_world_size_the_global_batch_does_not_split_over_must_be_refused(solution, tmp_path, capsys):
+    runs, _ = solution
+    script = tmp_path / "reshape.py"
+    script.write_text(solution_worker())
+    refused = launch(script, nproc=3, args=ARGS, echo=False, progress=False, check=False, timeout=180)
+    assert not refused.ok
+    check_resharded_resume(runs["uninterrupted"], runs["first_part"], runs["resumed"],
+                           global_batch=GLOBAL_BATCH, lr=LR, uneven=refused)
+    assert "check passed" in capsys.readouterr().out
+
+    # The region without its refusal: 3 ranks x 21 samples train silently, 63 per step.
+    source = solution_worker()
+    start = source.index("if args.global_batch % ctx.world_size:")
+    end = source.index("batch_size = args.global_batch // ctx.world_size")
+    script.write_text(source[:start] + source[end:])
+    silent = launch(script, nproc=3, args=ARGS, echo=False, progress=False, check=False, timeout=180)
+    assert silent.ok
+    with pytest.raises(CheckFailed, match=r"does not split into 3 equal per-rank batches \(each rank took "
+                                          r"21, so a step was 63 samples\)"):
+        check_resharded_resume(runs["uninterrupted"], runs["first_part"], runs["resumed"],
+                               global_batch=GLOBAL_BATCH, lr=LR, uneven=silent)

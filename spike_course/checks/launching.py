@@ -196,16 +196,31 @@ def _check_lr_schedule(u: dict, f: dict, r: dict, stopped: int, last: int) -> No
             "scheduler.state_dict() and load it with scheduler.load_state_dict(...).")
 
 
+def _check_uneven_refused(uneven, global_batch: int) -> None:
+    """A world size that does not divide the global batch cannot train the same steps: refused."""
+    n = uneven.nproc
+    if global_batch % n == 0:
+        raise CheckFailed(f"the run meant to be refused ran on {n} ranks, which divide --global-batch "
+                          f"{global_batch}: launch it on a number of ranks that does not.")
+    if uneven.ok:
+        batch = uneven.reports.get(0, {}).get("batch_size")
+        raise CheckFailed(f"the job ran on {n} ranks with --global-batch {global_batch}, which does not split "
+                          f"into {n} equal per-rank batches" + (f" (each rank took {batch}, so a step was "
+                          f"{batch * n} samples)" if batch else "") + ": its steps are not the steps of the "
+                          "run it should continue, yet it trained them silently.")
+
+
 def check_resharded_resume(uninterrupted: dict, first_part: dict, resumed: dict, global_batch: int,
-                           lr: float) -> None:
+                           lr: float, uneven=None) -> None:
     """A run checkpointed on one number of ranks and resumed on another must train, step by
     step, exactly the samples and with exactly the learning rate of the uninterrupted run.
 
     Each argument is a launch's ``.reports`` ({rank: report}) of the chapter's worker:
     ``uninterrupted`` ran every step on the first world size, ``first_part`` the same up to
     its --stop-at step (and saved a checkpoint), ``resumed`` the rest on another world size.
-    Samples, learning rates, step numbers and the restored state are compared exactly. The
-    final parameters are not: the two world sizes add the same gradients in another order,
+    ``uneven`` (a launch's result, optional) ran on a number of ranks that does not divide
+    ``global_batch``: it must have been refused. Samples, learning rates, step numbers and the
+    restored state are compared exactly. The final parameters are not: the two world sizes add the same gradients in another order,
     so they agree only up to rounding; the check prints how far apart they are.
     """
     u = _report(uninterrupted, "uninterrupted")
@@ -235,6 +250,8 @@ def check_resharded_resume(uninterrupted: dict, first_part: dict, resumed: dict,
     _check_restored_state(f, r, stopped)
     _check_samples(u, r, stopped, last)
     _check_lr_schedule(u, f, r, stopped, last)
+    if uneven is not None:
+        _check_uneven_refused(uneven, global_batch)
 
     # The parameters, for information only. Both runs sum the same `global_batch` per-sample
     # gradients with the same lr in every step, but in another order: on `old` ranks each rank
