@@ -108,3 +108,17 @@ def test_each_diagnosis_mistake_is_named(name):
 def test_a_malformed_answer_is_named():
     with pytest.raises(CheckFailed, match="return a dict"):
         check_hang_diagnosis(lambda dumps: (2, 31))
+
+
+def test_the_checks_own_reference_is_not_an_answer():
+    from spike_course.checks import profiling as reference
+
+    def find_straggler(traces):  # what `from spike_course.checks.profiling import _lateness` gives
+        late = reference._lateness(traces)
+        return {"rank": max(late, key=late.get), "late_ms": late}
+
+    diagnose = reference._diagnose  # handed over whole, under the answer's name
+    with pytest.raises(CheckFailed, match=r"find_straggler uses reference from spike_course.checks"):
+        check_straggler(find_straggler)
+    with pytest.raises(CheckFailed, match=r"diagnose uses .* from spike_course.checks"):
+        check_hang_diagnosis(lambda dumps: diagnose(dumps))

@@ -3,7 +3,7 @@ a job's bytes per GPU with the cost model)."""
 
 from __future__ import annotations
 
-from ._common import CheckFailed, largest_difference, passed
+from ._common import CheckFailed, borrowed_names, largest_difference, passed
 
 
 def _tensors_equal(a: dict, b: dict) -> bool:
@@ -169,18 +169,8 @@ def _check_own_sum(peak_bytes) -> None:
     or an alias) hands back the answer the check compares with."""
     from .. import costmodel
 
-    whole = {costmodel.memory_plan, costmodel.fit_suggestions}
-    codes, names = [peak_bytes.__code__], set()
-    while codes:  # the function's own names and those of functions defined inside it
-        code = codes.pop()
-        names.update(code.co_names)
-        codes += [c for c in code.co_consts if hasattr(c, "co_names")]
-    seen = dict(peak_bytes.__globals__)  # what a name means inside peak_bytes: a global...
-    seen.update(zip(peak_bytes.__code__.co_freevars,  # ...or a variable of an enclosing function
-                    (cell.cell_contents for cell in peak_bytes.__closure__ or ())))
-    names.update(peak_bytes.__code__.co_freevars)
-    used = sorted(n for n in names if n in ("memory_plan", "fit_suggestions")
-                  or any(seen.get(n) is function for function in whole))
+    used = borrowed_names(peak_bytes, forbidden=(costmodel.memory_plan, costmodel.fit_suggestions),
+                          attributes=("memory_plan", "fit_suggestions"))
     if used:
         raise CheckFailed(f"peak_bytes calls {', '.join(used)}: the course's whole memory plan, which is "
                           "what this check compares with. Add up the model states and the activations "

@@ -13,7 +13,7 @@ on the real traces or dumps of the notebook's own run.
 
 from __future__ import annotations
 
-from ._common import CheckFailed, passed
+from ._common import CheckFailed, borrowed_names, passed
 
 ARRIVAL = "c10d::allreduce_"  # the call on the rank's own thread: the moment it hands over its tensor
 # Lateness is a difference of two clock readings near 1.8e15 us, where a float64 is exact to
@@ -114,6 +114,13 @@ def _table(late: dict) -> str:
     return ", ".join(f"rank {r}: {ms:.3f}" for r, ms in sorted(late.items()))
 
 
+def _refuse_borrowed(answer, name: str) -> None:
+    used = borrowed_names(answer)
+    if used:
+        raise CheckFailed(f"{name} uses {', '.join(used)} from spike_course.checks: the check's own "
+                          "reference, which is what it compares your answer with.")
+
+
 def check_straggler(find_straggler, traces: dict | None = None) -> None:
     """``find_straggler(traces)`` -> {"rank": r, "late_ms": {rank: ms}}, where ``traces[rank]``
     is one rank's Chrome trace (the JSON object, with ``traceEvents`` and
@@ -122,6 +129,7 @@ def check_straggler(find_straggler, traces: dict | None = None) -> None:
     Runs it on the check's own four-rank traces, where every wrong reading it knows gives an
     answer of its own, then on ``traces``, the notebook's real ones.
     """
+    _refuse_borrowed(find_straggler, "find_straggler")
     small = synthetic_traces()
     got, expected = _straggler_answer(find_straggler(small), small), _lateness(small)
     if not _same(got, expected):
@@ -242,6 +250,7 @@ def check_hang_diagnosis(diagnose, dumps: dict | None = None) -> None:
     Runs it on the check's own four-rank dumps (first with whole flight recorders, then with
     wrapped ones) and then on ``dumps``, the real dumps of the notebook's hung job.
     """
+    _refuse_borrowed(diagnose, "diagnose")
     cases = [("the check's 4-rank dumps", synthetic_dumps()),
              ("the check's 4-rank dumps with TORCH_FR_BUFFER_SIZE=8", synthetic_dumps(buffer_size=8))]
     if dumps:
