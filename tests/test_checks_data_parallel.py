@@ -289,3 +289,31 @@ def test_the_trivial_whole_test_set_answer_fails_for_real(worker, no_orphans):
         {r: reports[r]["accuracy"] for r in range(2)}, correct, total,
         {r: reports[r]["shard"] for r in range(2)}, {r: reports[r]["evaluated"] for r in range(2)}))
     assert f"ran the model on {total} test samples" in text
+
+
+class Blocks(Sampler):
+    """A valid partition, but contiguous blocks of the shuffled order instead of a stride."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.size, self.rank, self.replicas = len(dataset), rank, num_replicas
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.per_rank = self.size // num_replicas if drop_last else math.ceil(self.size / num_replicas)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.per_rank
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.size, generator=g).tolist() if self.shuffle else list(range(self.size))
+        total = self.per_rank * self.replicas
+        order = (order + order[:max(0, total - len(order))])[:total]
+        return iter(order[self.rank * self.per_rank:(self.rank + 1) * self.per_rank])
+
+
+def test_a_valid_partition_that_is_not_torchs_says_which_part_differs():
+    text = message(lambda: checks.check_sampler(Blocks))
+    assert "cut between the ranks another way" in text
+    assert "rank:total_size" not in text and "randperm" not in text  # a mistake named, not the recipe

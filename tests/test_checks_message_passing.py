@@ -51,7 +51,7 @@ def test_tree_check_names_the_mistakes():
     _fails(checks.check_tree_allreduce, lambda c, a: _tree(c, a, up=(8, 4, 2, 1)),
            "never reached rank 0", "k = 1, 2, 4")
     _fails(checks.check_tree_allreduce, lambda c, a: _tree(c, a, guard=False),
-           "does not exist", "r + k < N")
+           "does not exist", "power of two")
     _fails(checks.check_tree_allreduce, naive_allreduce, "right sums", "2 ceil(log2 N)")
     _fails(checks.check_tree_allreduce, ring_allreduce, "right sums", "2 ceil(log2 N)")
 

@@ -99,9 +99,8 @@ def check_tree_allreduce(fn) -> None:
             if "this world has ranks" not in str(error):
                 raise
             raise CheckFailed(
-                f"on {n} ranks your tree talks to a rank that does not exist. When N is not a "
-                "power of two, some ranks have no partner in a round: rank r receives from "
-                f"r + k only if r + k < N.\n{error}") from error
+                f"on {n} ranks your tree talks to a rank that does not exist: it works when N is a "
+                f"power of two, and {n} is not.\n{error}") from error
         problem = _tree_values(results, inputs, n)
         if problem:
             raise CheckFailed(problem)
@@ -112,10 +111,9 @@ def check_tree_allreduce(fn) -> None:
             took = world.elapsed / (alpha + nbytes * beta)
             raise CheckFailed(
                 f"right sums, but on {n} ranks your all-reduce takes as long as {took:.3g} "
-                f"messages in a row; a binomial tree takes {rounds} (2 ceil(log2 N)). Pair the "
-                "ranks at distance k = 1, 2, 4, ...: each round halves the ranks still holding "
-                "a partial sum, so the total reaches rank 0 in ceil(log2 N) rounds (and back in "
-                "as many). Sending through rank 0 or along a chain takes N - 1 rounds each way.")
+                f"messages in a row, a binomial tree {rounds} (2 ceil(log2 N)): your messages wait "
+                "for each other (a chain, or everything through one rank) instead of travelling in "
+                "rounds where many pairs talk at once.")
     passed("tree all-reduce: right sums on 1-9 ranks, in 2 ceil(log2 N) rounds of the whole "
            "array, as costmodel.allreduce_time says")
 

@@ -15,8 +15,8 @@ def _sampler_orders(sampler_cls, size, replicas, shuffle, drop_last, epochs, see
         for sampler in samplers:
             if not callable(getattr(sampler, "set_epoch", None)):
                 raise CheckFailed(
-                    f"{sampler_cls.__name__} has no set_epoch(epoch) method. Without it every epoch "
-                    "repeats the same order: store the epoch and seed the shuffle with seed + epoch.")
+                    f"{sampler_cls.__name__} has no set_epoch(epoch) method, which DataLoader users call "
+                    "every epoch: without it every epoch repeats the same order.")
             sampler.set_epoch(epoch)
         orders.append([[int(i) for i in sampler] for sampler in samplers])
     return samplers, orders
@@ -32,6 +32,16 @@ def _check_own_order(sampler_cls, DistributedSampler) -> None:
         raise CheckFailed(f"{sampler_cls.__name__} inherits {' and '.join(inherited)} from "
                           "torch's DistributedSampler: the order it gives is torch's, not yours, so "
                           "this check would compare DistributedSampler with itself.")
+
+
+def _how_it_differs(ranks: list, expected: list) -> str:
+    """Which part of the order differs from DistributedSampler's: within a rank's share, the
+    cut between ranks, or the order (shuffle, padding) they are cut from."""
+    if all(sorted(a) == sorted(b) for a, b in zip(ranks, expected)):
+        return "every rank has the right samples, in another order within its share."
+    if sorted(i for r in ranks for i in r) == sorted(i for r in expected for i in r):
+        return "the same samples in all, but cut between the ranks another way."
+    return "the order the shares are cut from (its shuffle, or its padding) is another one."
 
 
 def check_sampler(sampler_cls, sizes=(8, 10, 11, 13), replicas=(1, 2, 3, 4), epochs: int = 3,
@@ -60,9 +70,8 @@ def check_sampler(sampler_cls, sizes=(8, 10, 11, 13), replicas=(1, 2, 3, 4), epo
             _check_partition(order, len(expected[0][0]), size, drop_last, epoch, where, samplers, Counter)
         if shuffle and size > 4 and all(o == orders[0] for o in orders[1:]):
             raise CheckFailed(
-                f"every epoch gives the same order {where}: set_epoch has no effect, as if it were "
-                "never called. Store the epoch in set_epoch and seed the generator with seed + epoch "
-                "in __iter__, so each epoch shuffles differently (and every rank the same way).")
+                f"every epoch gives the same order {where}: set_epoch has no effect on the shuffle, as "
+                "if it were never called.")
     # The partitions are valid everywhere; now are they DistributedSampler's very own?
     for where, orders, expected in runs if exact else ():
         if orders != expected:
@@ -70,10 +79,8 @@ def check_sampler(sampler_cls, sizes=(8, 10, 11, 13), replicas=(1, 2, 3, 4), epo
                                if orders[e][r] != expected[e][r])
             raise CheckFailed(
                 f"a valid partition, but not DistributedSampler's {where}: in epoch {epoch} rank "
-                f"{rank} reads {orders[epoch][rank]}, DistributedSampler gives {expected[epoch][rank]}. "
-                "It uses range(len(dataset)) without shuffle, else torch.randperm(len(dataset), "
-                "generator=g) after g.manual_seed(seed + epoch); pads by repeating the start of that "
-                "order (or cuts the tail with drop_last), then takes order[rank:total_size:num_replicas].")
+                f"{rank} reads {orders[epoch][rank]}, DistributedSampler gives {expected[epoch][rank]}: "
+                + _how_it_differs(orders[epoch], expected[epoch]))
     passed(f"{sampler_cls.__name__} partitions like DistributedSampler (sizes {list(sizes)}, "
            f"{list(replicas)} replicas, shuffle and drop_last on and off, {epochs} epochs)")
 
@@ -102,9 +109,9 @@ def _check_partition(order, per_rank, size, drop_last, epoch, where, samplers, C
         who = sorted(owners[index])
         raise CheckFailed(
             f"the ranks overlap in epoch {epoch} {where}: index {index} is read by ranks {who}, "
-            f"{repeats} repeats where at most {padding} (padding) are allowed. All ranks must cut their "
-            "share from ONE common order (same seed and epoch on every rank) with order[rank::num_replicas]; "
-            "a rank that ignores its rank, or shuffles with its own seed, reads its neighbours' samples.")
+            f"{repeats} repeats where at most {padding} (padding) are allowed: the ranks did not cut "
+            "their shares from one common order (a rank that ignores its rank, or shuffles with a seed "
+            "of its own, reads its neighbours' samples).")
     missing = sorted(set(range(size)) - set(counts))
     allowed_missing = size - per_rank * len(order) if drop_last else 0
     if len(missing) > allowed_missing:
