@@ -10,10 +10,11 @@ DDP = torch.linspace(-1, 1, TOTAL)
 START = torch.zeros(TOTAL)  # the parameters before training
 
 
-def results(zero1=None, owned=((0, 5), (5, 10)), optimizer_numel=(5, 5)):
+def results(zero1=None, owned=((0, 5), (5, 10)), optimizer_numel=(5, 5), stepped=None):
     zero1 = zero1 or {r: DDP.clone() for r in range(WORLD)}
+    stepped = stepped or {r: DDP[slice(*owned[r])].clone() for r in range(WORLD)}
     return {r: {"zero1": zero1[r], "ddp": DDP.clone(), "owned": owned[r], "initial": START.clone(),
-                "optimizer_numel": optimizer_numel[r]} for r in range(WORLD)}
+                "optimizer_numel": optimizer_numel[r], "stepped": stepped[r]} for r in range(WORLD)}
 
 
 def test_right_answer_passes(capsys):
@@ -34,6 +35,16 @@ def test_model_never_updated_is_named():
     untouched = {r: START.clone() for r in range(WORLD)}
     with pytest.raises(CheckFailed, match="never changed.*not\\s+all-gathered"):
         check_zero1(results(zero1=untouched))
+
+
+def test_a_gradient_wiped_before_the_step_is_not_blamed_on_the_gather():
+    # zero_grad between backward and step: the optimizer's own slice never moved either
+    untouched = {r: START.clone() for r in range(WORLD)}
+    unmoved = {r: START[r * 5:(r + 1) * 5].clone() for r in range(WORLD)}
+    with pytest.raises(CheckFailed, match="neither did the slice its optimizer holds: every step saw a zero "
+                                          "gradient") as caught:
+        check_zero1(results(zero1=untouched, stepped=unmoved))
+    assert "all-gathered" not in str(caught.value)
 
 
 def test_ranks_that_disagree_are_named():
@@ -59,3 +70,27 @@ def test_gradients_not_averaged_is_named():
 def test_slices_must_tile_the_model(owned):
     with pytest.raises(CheckFailed, match="slices"):
         check_zero1(results(owned=owned))
+
+
+@pytest.mark.processes
+def test_the_worker_with_its_gradient_wiped_before_the_step_is_named(worker):
+    """The mistake planted in a copy of the solution's worker and launched for real."""
+    from pathlib import Path
+
+    import nbformat
+
+    from spike_course import launch, workers
+
+    root = Path(__file__).resolve().parents[1]
+    notebook = nbformat.read(root / "solutions" / "06_fully_sharded_data_parallel.ipynb", as_version=4)
+    source = workers.worker_cells(notebook)["06_fully_sharded_data_parallel/zero1.py"]
+    right = "    optimizer.step()\n    optimizer.zero_grad()\n"
+    assert source.count(right) == 1
+    wiped = source.replace(right, "    optimizer.zero_grad()  # wipes shard.grad before the step\n"
+                                  "    optimizer.step()\n")
+    reports = launch(worker(wiped), nproc=2, args=["--steps", "2"], echo=False, progress=False,
+                     timeout=120).reports
+    with pytest.raises(CheckFailed, match="every step saw a zero gradient"):
+        check_zero1(reports)
+    check_zero1(launch(worker(source), nproc=2, args=["--steps", "2"], echo=False, progress=False,
+                       timeout=120).reports)  # and the solution itself passes

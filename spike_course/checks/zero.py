@@ -16,7 +16,8 @@ def check_zero1(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     parameters of the rank's model after training; "ddp", the flat parameters of the DDP
     reference; "owned", the (start, end) slice of the flat parameters the rank steps;
     "optimizer_numel", how many elements of momentum the rank's optimizer keeps; and
-    optionally "initial", the flat parameters before training.
+    optionally "initial", the flat parameters before training, and "stepped", the values of
+    the parameters the rank's optimizer holds after training (its slice).
     """
     ranks = sorted(results)
     if not ranks:
@@ -52,6 +53,12 @@ def check_zero1(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     for rank in ranks:
         initial = results[rank].get("initial")
         if initial is not None and close(flat[rank], initial, rtol, atol):
+            start, end = (int(i) for i in results[rank]["owned"])
+            stepped = results[rank].get("stepped")
+            if stepped is not None and close(stepped, initial[start:end], rtol, atol):
+                raise CheckFailed(f"rank {rank}: the model's parameters never changed, and neither did the "
+                                  "slice its optimizer holds: every step saw a zero gradient (zeroed "
+                                  "before optimizer.step(), or never handed to the slice's .grad).")
             raise CheckFailed(f"rank {rank}: the model's parameters never changed: the optimizer "
                               f"stepped its own copy of the slice, but {not_gathered}")
     for rank in ranks[1:]:
