@@ -243,3 +243,23 @@ def test_calling_the_whole_memory_plan_is_not_an_answer():
     for answer in (by_name, by_alias):
         with pytest.raises(CheckFailed, match=r"peak_bytes calls (memory_plan|plan): the course's whole memory plan"):
             check_peak_prediction(answer)
+
+
+def test_each_slip_of_exercise_2_is_told_apart_on_the_checks_jobs():
+    """A slip is judged on the first job where it changes the total; there, no other slip may
+    give the same total, or the check would name the wrong one."""
+    from spike_course.checks.memory import PEAK_JOBS, _peak_slips
+    from spike_course.costmodel import memory_plan
+
+    def expected(job):
+        model, seq, global_batch, gpus, accumulation, shard, precision, checkpoint = job
+        return memory_plan(model, seq, global_batch // (gpus * accumulation), dp=gpus, shard=shard,
+                           precision=precision, checkpoint=checkpoint)["total"]
+
+    for slip in _peak_slips(PEAK_JOBS[0]):
+        job = next((j for j in PEAK_JOBS if _peak_slips(j)[slip] != expected(j)), None)
+        assert job is not None, f"no job of the check shows this slip: {slip}"
+        value = _peak_slips(job)[slip]
+        twins = [other for other, v in _peak_slips(job).items()
+                 if other != slip and abs(v - value) <= 1e-9 * value]
+        assert not twins, f"on {job} '{slip}' reads like {twins}"

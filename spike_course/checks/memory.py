@@ -164,6 +164,32 @@ PEAK_JOBS = [
 ]
 
 
+def _peak_slips(job) -> dict:
+    """{the slip, named: the total it predicts for ``job``} for the usual slips of exercise 2."""
+    model, seq, global_batch, gpus, accumulation, shard, precision, checkpoint = job
+    micro = global_batch // (gpus * accumulation)
+    return {
+        "the micro-batch is the global batch divided by the GPUs AND by the accumulation steps: "
+        "one forward sees global_batch // (gpus * accumulation) sequences":
+            _plan_total(model, seq, global_batch // gpus, shard, precision, checkpoint),
+        "the global batch is spread over the GPUs: one forward sees global_batch // (gpus * "
+        "accumulation) sequences, not the whole global batch":
+            _plan_total(model, seq, global_batch, shard, precision, checkpoint),
+        "the model states are sharded: each GPU holds 1/F of them (zero_memory_breakdown with "
+        "dp_size = shard and stage 3)":
+            _plan_total(model, seq, micro, shard, precision, checkpoint, states_factor=shard),
+        "Adam's two moments are missing: k=8 bytes per parameter of optimizer state":
+            _plan_total(model, seq, micro, shard, precision, checkpoint, optimizer=False),
+        "the activations ignore checkpointing: pass checkpoint=checkpoint to activation_bytes":
+            _plan_total(model, seq, micro, shard, precision, not checkpoint),
+        "the activations are counted in fp32: pass precision=precision to activation_bytes":
+            _plan_total(model, seq, micro, shard, "fp32", checkpoint),
+        "mixed precision keeps fp32 master weights and gradients: 4 + 4 + 8 = 16 bytes per "
+        "parameter, not 2 + 2 + 8":
+            _plan_total(model, seq, micro, shard, precision, checkpoint, states_factor=12 / 16),
+    }
+
+
 def _check_own_sum(peak_bytes) -> None:
     """The exercise is to add up the parts: calling the cost model's whole plan (by its name
     or an alias) hands back the answer the check compares with."""
@@ -194,26 +220,7 @@ def check_peak_prediction(peak_bytes) -> None:
             raise CheckFailed("peak_bytes returned None: return the number of bytes")
         if abs(got - expected) <= 1e-9 * expected:
             continue
-        slips = {
-            "the micro-batch is the global batch divided by the GPUs AND by the accumulation steps: "
-            "one forward sees global_batch // (gpus * accumulation) sequences":
-                _plan_total(model, seq, global_batch // gpus, shard, precision, checkpoint),
-            "the global batch is spread over the GPUs: one forward sees global_batch // (gpus * "
-            "accumulation) sequences, not the whole global batch":
-                _plan_total(model, seq, global_batch, shard, precision, checkpoint),
-            "the model states are sharded: each GPU holds 1/F of them (zero_memory_breakdown with "
-            "dp_size = shard and stage 3)":
-                _plan_total(model, seq, micro, shard, precision, checkpoint, states_factor=shard),
-            "Adam's two moments are missing: k=8 bytes per parameter of optimizer state":
-                _plan_total(model, seq, micro, shard, precision, checkpoint, optimizer=False),
-            "the activations ignore checkpointing: pass checkpoint=checkpoint to activation_bytes":
-                _plan_total(model, seq, micro, shard, precision, not checkpoint),
-            "the activations are counted in fp32: pass precision=precision to activation_bytes":
-                _plan_total(model, seq, micro, shard, "fp32", checkpoint),
-            "mixed precision keeps fp32 master weights and gradients: 4 + 4 + 8 = 16 bytes per "
-            "parameter, not 2 + 2 + 8":
-                _plan_total(model, seq, micro, shard, precision, checkpoint, states_factor=12 / 16),
-        }
+        slips = _peak_slips(job)
         for slip, value in slips.items():
             if value != expected and abs(got - value) <= 1e-9 * value:
                 raise CheckFailed(f"for {job}: you predict {got / 1e9:,.6g} GB, the cost model "
