@@ -220,21 +220,25 @@ def _set_gpu_arithmetic(tf32: bool, deterministic: bool) -> None:
 
 
 @contextmanager
-def gpu_arithmetic(tf32: bool = False, deterministic: bool = True):
-    """Within the block, the float32 precision and determinism ``setup`` pins on a GPU rank:
-    a check that replays a rank's GPU arithmetic in the notebook's kernel uses it."""
+def rank_arithmetic(threads: int, tf32: bool = False, deterministic: bool = True):
+    """Within the block, this process adds up as a rank that reported ``threads`` did: that
+    many torch threads (a convolution splits its sums by thread) and, on a GPU, the float32
+    precision and determinism ``setup`` pins. A check or a cell that replays a rank's work in
+    the notebook's kernel uses it, so that the replay gives the rank's very bits."""
     import torch
 
-    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
-             torch.are_deterministic_algorithms_enabled(),
+    saved = (torch.get_num_threads(), torch.backends.cuda.matmul.fp32_precision,
+             torch.backends.cudnn.conv.fp32_precision, torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.benchmark)
+    torch.set_num_threads(threads)
     _set_gpu_arithmetic(tf32, deterministic)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved[:2]
-        torch.use_deterministic_algorithms(saved[2], warn_only=saved[3])
-        torch.backends.cudnn.benchmark = saved[4]
+        torch.set_num_threads(saved[0])
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved[1:3]
+        torch.use_deterministic_algorithms(saved[3], warn_only=saved[4])
+        torch.backends.cudnn.benchmark = saved[5]
 
 
 def _log_placement(rank: int, world_size: int, placement: Placement, device) -> None:

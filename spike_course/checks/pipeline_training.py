@@ -23,15 +23,10 @@ def _reference(data, order, config, threads, devices):
     weights can be compared bit for bit on a GPU node as on a laptop."""
     import torch
 
-    from ..runtime import gpu_arithmetic
+    from ..runtime import rank_arithmetic
 
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with gpu_arithmetic():
-            return _replay(data, order, config, [torch.device(d) for d in devices])
-    finally:
-        torch.set_num_threads(saved_threads)
+    with rank_arithmetic(threads):
+        return _replay(data, order, config, [torch.device(d) for d in devices])
 
 
 def _replay(data, order, config, devices):
