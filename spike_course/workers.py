@@ -6,7 +6,8 @@ cells from the lectures and the solutions (or, with ``--from exercises``, from a
 own notebooks) and writes ``DIR/NN_topic/name.py`` as the cell has it, and
 ``DIR/README.md`` on how to run them on a GPU node. Every worker's docstring starts with
 the command that runs it, as nanoGPT's scripts do (``torchrun --standalone
---nproc-per-node=2 03_data_parallel/train.py``): the author writes it, nothing guesses it.
+--nproc-per-node=2 03_data_parallel/train.py``; a module's names the script that imports
+it): the author writes it, nothing guesses it.
 """
 
 from __future__ import annotations
@@ -31,19 +32,25 @@ def worker_cells(notebook) -> dict[str, str]:
     return found
 
 
+MODULE = " imports this module"  # in a module's run line: the script that runs it
+
+
 def run_line(relative: str, source: str) -> str:
-    """The first line of the worker's docstring, which says how it runs on a node (a
-    torchrun or python command naming the worker, or who imports it); a clear error if not."""
+    """The first line of the worker's docstring, which says how it runs on a node: a torchrun
+    or python command naming the worker, or, for a module, naming a script of the same folder
+    that imports it. A clear error if not."""
     first = source.split("\n", 1)[0]
     line = first[3:].rstrip() if first[:3] in ('"""', "'''") else ""
-    if (line.startswith(("torchrun ", "python ")) and relative in line.split()
-            or line.startswith("Imported by ") and line.endswith("not run on its own.")):
+    script = next((word for word in line.split() if word.endswith(".py")), None)
+    if line.startswith(("torchrun ", "python ")) and (
+            script == relative
+            or MODULE in line and script and Path(script).parent == Path(relative).parent):
         return line
     raise ValueError(
         f"workers/{relative}: its docstring must start with the line that runs it, e.g. "
-        f'"""torchrun --standalone --nproc-per-node=2 {relative} (or "python {relative}", or '
-        '"Imported by x.py of the same folder; not run on its own." for a module). Found: '
-        f"{first[:80]!r}. Add that line as the first line of the script, under %%writefile.")
+        f'"""torchrun --standalone --nproc-per-node=2 {relative} (or "python {relative}", or, for a '
+        f'module, "torchrun ... {Path(relative).parent}/train.py imports this module; not run on its '
+        f'own."). Found: {first[:80]!r}. Add that line as the first line of the script, under %%writefile.')
 
 
 def notebooks(root, sources=None) -> list[Path]:
@@ -96,7 +103,7 @@ def unanswered(paths) -> list[Path]:
 
 def node_readme(out: Path, written: list[Path]) -> str:
     lines = [f"    {path.read_text().splitlines()[0][3:]}" for path in sorted(written)
-             if not path.read_text().startswith('"""Imported by')]
+             if MODULE not in path.read_text().splitlines()[0]]
     return README.format(runs="\n".join(lines))
 
 

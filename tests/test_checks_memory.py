@@ -25,7 +25,7 @@ STEM = "11_making_a_model_fit"
 SOLUTION = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
 LECTURE = nbformat.read(ROOT / "notebooks" / f"{STEM}.ipynb", as_version=4)
 SCRIPTS = workers.worker_cells(SOLUTION)
-TOOLS = SCRIPTS[f"{STEM}/budget_tools.py"]
+TOOLS = SCRIPTS[f"{STEM}/memory_tools.py"]
 FIT = SCRIPTS[f"{STEM}/fit_budget.py"]
 BUDGET = int(re.search(r"^BUDGET = ([\d_]+)", SOLUTION.cells[1].source, re.M).group(1))
 PEAK = next(c.source for c in SOLUTION.cells if c.source.startswith("def peak_bytes"))
@@ -33,7 +33,7 @@ PEAK = next(c.source for c in SOLUTION.cells if c.source.startswith("def peak_by
 
 def test_the_exercise_measures_with_the_lectures_tools():
     assert workers.worker_cells(LECTURE)[f"{STEM}/memory_tools.py"] == TOOLS
-    assert "from budget_tools import" in FIT
+    assert "from memory_tools import" in FIT
 
 
 # --- the cost model against what autograd saves ---
@@ -42,10 +42,10 @@ def test_the_exercise_measures_with_the_lectures_tools():
 @pytest.fixture(scope="module")
 def tools(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tools")
-    (folder / "budget_tools.py").write_text(TOOLS)
+    (folder / "memory_tools.py").write_text(TOOLS)
     sys.path.insert(0, str(folder))
-    import budget_tools
-    yield budget_tools
+    import memory_tools
+    yield memory_tools
     sys.path.remove(str(folder))
 
 
@@ -156,7 +156,7 @@ def variants_script():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fit_budget")
-    (folder / "budget_tools.py").write_text(TOOLS)
+    (folder / "memory_tools.py").write_text(TOOLS)
     (folder / "fit_budget.py").write_text(variants_script())
     results = launch(str(folder / "fit_budget.py"), nproc=2, echo=False, progress=False).reports
     return {name: {rank: results[rank][name] for rank in results} for name in ["solution", *PLANTED]}

@@ -115,9 +115,14 @@ def test_spike_course_workers_writes_every_chapter_with_its_run_line(tmp_path):
     for path in tmp_path.glob("*/*.py"):
         relative = f"{path.parent.name}/{path.name}"
         first = path.read_text().splitlines()[0]
-        assert (first.startswith('"""torchrun --standalone --nproc-per-node=') and relative in first
-                or first.startswith(f'"""python {relative}') or first.endswith("not run on its own.")), first
-        assert first.startswith('"""Imported by') or first[3:] in readme  # the README copies it
+        assert first.startswith(('"""torchrun --standalone --nproc-per-node=', '"""python ')), first
+        script = next(word for word in first.split() if word.endswith(".py"))
+        if workers.MODULE in first:  # a module: the script it names imports it, and is in the README
+            importer = (tmp_path / script).read_text()
+            assert f"import {path.stem}" in importer or f"from {path.stem} import" in importer, first
+            assert first[3:] not in readme
+        else:
+            assert script == relative and first[3:] in readme, first
         compile(path.read_text(), str(path), "exec")  # a SyntaxError fails the test
     assert "### BEGIN SOLUTION" not in (tmp_path / "07_launching_at_scale" / "reshape.py").read_text()
 
@@ -138,6 +143,10 @@ def test_the_line_must_name_the_worker_itself():
     with pytest.raises(ValueError, match="must start with the line"):
         workers.run_line("03_x/train.py", '"""torchrun --standalone --nproc-per-node=2 03_x/other.py\n"""')
     assert workers.run_line("03_x/a.py", '"""python 03_x/a.py\n\nMore."""') == "python 03_x/a.py"
+    module = "torchrun --standalone --nproc-per-node=2 03_x/train.py imports this module; not run on its own."
+    assert workers.run_line("03_x/common.py", f'"""{module}\n"""') == module
+    with pytest.raises(ValueError, match="must start with the line"):  # another folder's script
+        workers.run_line("04_y/common.py", f'"""{module}\n"""')
 
 
 def test_gpu_check_names_the_first_failing_cell(tmp_path):
@@ -179,7 +188,7 @@ def test_a_helper_module_does_no_work_when_imported(cluster):
     group and needs no RANK: importing it with a stranger's flags and no launcher works."""
     folder, env = cluster
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    modules = [p for p in (folder / "workers").glob("*/*.py") if p.read_text().startswith('"""Imported by')]
+    modules = [p for p in (folder / "workers").glob("*/*.py") if workers.MODULE in p.read_text().splitlines()[0]]
     assert len(modules) >= 5
     for module in modules:
         probe = (f"import sys; sys.argv += ['--not-its-flag']; import {module.stem}; "
