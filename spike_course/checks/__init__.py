@@ -26,3 +26,5 @@ from .zero import check_fsdp2_checkpoint, check_zero1
 from .capstone import check_capstone_job, check_capstone_submit
 from .profiling import check_hang_diagnosis, check_straggler
 from .memory import check_fits_budget, check_peak_prediction
+from .context_parallel import check_ring_attention
+from .expert_parallel import check_moe_layer

@@ -1,0 +1,88 @@
+"""Chapter 12, exercise 1: check_ring_attention passes the solution's merge_block on 2 and 4
+ranks and names each classic mistake.
+
+Every mistake is planted in a copy of the solution's ring_merge.py (a line of its solution
+region changed), written next to the exercise's own ring_check.py and run on 2 ranks: one
+launch per mistake, 2-4 seconds each."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import spike_course
+from spike_course import exercises, workers
+from spike_course.checks import CheckFailed, check_ring_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+STEM = "12_context_and_expert_parallel"
+NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
+HARNESS = workers.worker_cells(NOTEBOOK)[f"{STEM}/ring_check.py"]
+MERGE = next(c.source for c in NOTEBOOK.cells  # with its solution markers
+             if c.source.startswith(f"%%writefile workers/{STEM}/ring_merge.py")).split("\n", 1)[1]
+
+
+def planted(old, new):
+    """The solution's ring_merge.py with ``old`` replaced by ``new`` in its solution region."""
+    head, region = MERGE.split("### BEGIN SOLUTION")
+    assert old in region, f"the solution's merge_block no longer contains {old!r}: update this test"
+    return head + "### BEGIN SOLUTION" + region.replace(old, new, 1)
+
+
+MAXIMUM = "torch.maximum(m, scores.amax(dim=-1))"
+MASK = "k_pos[None, :] > q_pos[:, None]"
+MISTAKES = {
+    "blank": (None, r"merge_block is not written yet"),
+    "scores_not_scaled": (("/ math.sqrt(q.shape[-1])", ""), r"the scores are not scaled"),
+    "maximum_not_carried": ((MAXIMUM, "scores.amax(dim=-1)"), r"the maximum is not carried"),
+    "maximum_not_updated": ((MAXIMUM, "torch.maximum(m, m)"),
+                            r"m is -inf: it must be the largest score seen so far"),
+    "normaliser_not_rescaled": (("l * shrink + p.sum(dim=-1)", "l + p.sum(dim=-1)"),
+                                r"the normaliser is not rescaled.*the old l plus this block's 1"),
+    "accumulator_not_rescaled": (("acc * shrink.unsqueeze(-1) + p @ v", "acc + p @ v"),
+                                 r"the accumulator is not rescaled like l"),
+    "causal_mask_ignored": (("if causal:", "if False:"), r"the causal mask is not applied"),
+    "mask_on_local_indices": ((MASK, "torch.ones(len(q_pos), len(k_pos), dtype=torch.bool).triu(1)"),
+                              r"compares local indices, not global positions"),
+    "mask_reversed": ((MASK, "k_pos[None, :] < q_pos[:, None]"), r"the causal mask is reversed"),
+    "diagonal_masked": ((MASK, "k_pos[None, :] >= q_pos[:, None]"), r"the causal mask hides the diagonal"),
+}
+
+
+def run(worker, merge_source, worlds=(2,)):
+    """Launch the exercise's harness on each world size next to ``merge_source``."""
+    merge = worker(merge_source, "ring_merge.py")
+    harness = worker(HARNESS, "ring_check.py")
+    return {world: spike_course.launch(harness, nproc=world, echo=False, progress=False, timeout=120,
+                                       check=False) for world in worlds}, merge
+
+
+@pytest.mark.processes
+def test_the_solution_passes_on_2_and_4_ranks(worker, no_orphans, capsys):
+    jobs, merge = run(worker, MERGE, worlds=(2, 4))
+    assert all(job.ok for job in jobs.values())
+    check_ring_attention(jobs, merge)
+    assert "matches one process on 2, 4 ranks, without and with a causal mask" in capsys.readouterr().out
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
+    change, message = MISTAKES[mistake]
+    source = exercises.blank_source(MERGE) if change is None else planted(*change)
+    jobs, merge = run(worker, source)
+    with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
+        check_ring_attention(jobs, merge)
+
+
+@pytest.mark.processes
+def test_a_wrong_ring_is_failed_even_when_no_probe_names_it(worker, no_orphans):
+    """A merge that is right on the probes' tiny blocks (one head, d = 4) but wrong on the
+    ring's: the comparison with one process still fails it."""
+    source = planted("return m_new,", "if q.shape[0] > 1:  # the probes use one head\n"
+                                       "        p = p.flip(-1)  # each weight with another key's value\n"
+                                       "    return m_new,")
+    jobs, merge = run(worker, source)
+    with pytest.raises(CheckFailed, match=r"the ring's rows differ from one process's attention by up to"):
+        check_ring_attention(jobs, merge)

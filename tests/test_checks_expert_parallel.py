@@ -1,0 +1,94 @@
+"""Chapter 12, exercise 2: check_moe_layer passes the solution's moe_forward on 2 and 4 ranks
+and names each classic mistake.
+
+Every mistake is planted in a copy of the solution's moe_exchange.py (lines of its solution
+region changed), written next to the exercise's own moe_check.py and run on 2 ranks: one
+launch per mistake, 2-4 seconds each."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import spike_course
+from spike_course import exercises, workers
+from spike_course.checks import CheckFailed, check_moe_layer
+
+ROOT = Path(__file__).resolve().parents[1]
+STEM = "12_context_and_expert_parallel"
+NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
+HARNESS = workers.worker_cells(NOTEBOOK)[f"{STEM}/moe_check.py"]
+LAYER = next(c.source for c in NOTEBOOK.cells  # with its solution markers
+             if c.source.startswith(f"%%writefile workers/{STEM}/moe_exchange.py")).split("\n", 1)[1]
+
+
+def planted(*changes):
+    """The solution's moe_exchange.py with each (old, new) of ``changes`` made in its solution region."""
+    head, region = LAYER.split("### BEGIN SOLUTION")
+    for old, new in changes:
+        assert old in region, f"the solution's moe_forward no longer contains {old!r}: update this test"
+        region = region.replace(old, new, 1)
+    return head + "### BEGIN SOLUTION" + region
+
+
+PRIORITY = "expert, weight = choice.t().reshape(-1), gate.t().reshape(-1)"
+TOKENS = "token = torch.arange(len(x), device=x.device).repeat(choice.shape[1])"
+RETURN = "return torch.zeros_like(x).index_add(0, token[order], back * weight[order].unsqueeze(-1))"
+MISTAKES = {
+    "blank": ((), r"moe_forward is not written yet"),
+    "splits_in_the_wrong_order": ([("order = torch.argsort(expert, stable=True)",
+                                    "order = torch.arange(len(expert), device=x.device)")],
+                                  r"rows reach the wrong expert.*not in the same order"),
+    "capacity_not_applied": ([("kept = (hits.cumsum(0) * hits).sum(1) <= capacity",
+                               "kept = torch.ones_like(expert, dtype=torch.bool)")],
+                             r"the capacity is not applied: expert 0 was given more than"),
+    "dropped_in_token_order": ([(PRIORITY, "expert, weight = choice.reshape(-1), gate.reshape(-1)"),
+                                (TOKENS, "token = torch.arange(len(x), device=x.device)"
+                                         ".repeat_interleave(choice.shape[1])")],
+                               r"the wrong assignments are dropped: the experts kept them in token order"),
+    "second_choice_ignored": ([(PRIORITY, "expert, weight = choice[:, 0], gate[:, 0]"),
+                               (TOKENS, "token = torch.arange(len(x), device=x.device)")],
+                              r"the second choices are ignored"),
+    "regrouped_by_expert_across_sources": ([("by_expert = torch.argsort(which, stable=True)",
+                                             "by_expert = torch.arange(len(which), device=x.device)")],
+                                           r"the right rank but the wrong expert on it"),
+    "gate_not_applied": ([(RETURN, "return torch.zeros_like(x).index_add(0, token[order], back)")],
+                         r"the router's weights are not applied on the combine"),
+    "not_returned_to_positions": ([(RETURN, RETURN.replace("token[order]", "token"))],
+                                  r"the results do not go back to\s+their tokens' positions"),
+    "dropped_tokens_counted_twice": ([(RETURN, "y = " + RETURN[len("return "):] + "\n"
+                                       "    lost = torch.arange(len(x), device=x.device).repeat(choice.shape[1])[~kept]\n"
+                                       "    return y.index_add(0, lost, x[lost])  # the dropped ones pass through")],
+                                     r"dropped tokens are counted twice"),
+    "exchange_invisible_to_autograd": ([("arrived = exchange(x[token[order]], send, recv, group)",
+                                         "arrived = x.new_empty(sum(recv), x.shape[1])\n"
+                                         "    dist.all_to_all_single(arrived, x[token[order]], recv, send, group=group)")],
+                                       r"the tokens x got no gradient on rank 0: the graph is cut"),
+}
+
+
+def run(worker, layer_source, worlds=(2,)):
+    """Launch the exercise's harness on each world size next to ``layer_source``."""
+    worker(layer_source, "moe_exchange.py")
+    harness = worker(HARNESS, "moe_check.py")
+    return {world: spike_course.launch(harness, nproc=world, echo=False, progress=False, timeout=120,
+                                       check=False) for world in worlds}
+
+
+@pytest.mark.processes
+def test_the_solution_passes_on_2_and_4_ranks(worker, no_orphans, capsys):
+    jobs = run(worker, LAYER, worlds=(2, 4))
+    assert all(job.ok for job in jobs.values())
+    check_moe_layer(jobs)
+    assert "as one process does on 2, 4 ranks, forward and backward" in capsys.readouterr().out
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
+    changes, message = MISTAKES[mistake]
+    source = planted(*changes) if changes else exercises.blank_source(LAYER)
+    jobs = run(worker, source)
+    with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
+        check_moe_layer(jobs)
