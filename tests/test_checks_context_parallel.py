@@ -32,6 +32,15 @@ def planted(old, new):
 
 MAXIMUM = "torch.maximum(m, scores.amax(dim=-1))"
 MASK = "k_pos[None, :] > q_pos[:, None]"
+# The lecture's merge of finished blocks, with m holding the log-sum-exp, l = 1 and acc the
+# normalised result: the ring's rows come out right, but the state is not the streaming one.
+LECTURE_FORM = """lse_b = torch.logsumexp(scores, dim=-1)
+    out_b = torch.softmax(scores, dim=-1).nan_to_num(nan=0.0) @ v
+    new = torch.logaddexp(m, lse_b)
+    out = acc / l.clamp(min=1).unsqueeze(-1)
+    out = out * torch.exp(m - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1)
+    return new, torch.ones_like(new), out
+    return m_new,"""
 MISTAKES = {
     "blank": (None, r"merge_block is not written yet"),
     "scores_not_scaled": (("/ math.sqrt(q.shape[-1])", ""), r"the scores are not scaled"),
@@ -46,6 +55,8 @@ MISTAKES = {
     "mask_on_local_indices": ((MASK, "torch.ones(len(q_pos), len(k_pos), dtype=torch.bool).triu(1)"),
                               r"compares local indices, not global positions"),
     "mask_reversed": ((MASK, "k_pos[None, :] < q_pos[:, None]"), r"the causal mask is reversed"),
+    "the_lectures_finished_blocks": (("return m_new,", LECTURE_FORM), r"m is 2.12693: it must be the largest "
+                                     r"score seen so far \(2\), not a log-sum-exp"),
     "diagonal_masked": ((MASK, "k_pos[None, :] >= q_pos[:, None]"), r"the causal mask hides the diagonal"),
 }
 

@@ -37,6 +37,9 @@ TOKENS = "token = torch.arange(len(x), device=x.device).repeat(choice.shape[1])"
 RETURN = "return torch.zeros_like(x).index_add(0, token[order], back * weight[order].unsqueeze(-1))"
 MISTAKES = {
     "blank": ((), r"moe_forward is not written yet"),
+    "nothing_dispatched": ([("world, per_rank = dist.get_world_size(group), len(experts)",
+                             "return torch.zeros_like(x)  # a trivial answer")],
+                           r"no expert was given any row"),
     "splits_in_the_wrong_order": ([("order = torch.argsort(expert, stable=True)",
                                     "order = torch.arange(len(expert), device=x.device)")],
                                   r"rows reach the wrong expert.*not in the same order"),

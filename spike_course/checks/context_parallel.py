@@ -141,9 +141,9 @@ def probe(merge_block) -> str | None:
     m, l, acc = run(_state([[800.0]], [[1.0]], [[[1, 0, 0, 0]]]), _block([[0.0, 0.0]], [[0, 1, 0, 0], [0, 0, 1, 0]]))
     if not (_same(m, [[800.0]]) and _same(l, [[1.0]])):
         return (f"the maximum is not carried: with m = 800 from the blocks before and scores of 0 in this one, "
-                f"the new m is {m.item():.6g} and l is {l.item():.6g} (expected 800 and 1). The new maximum must "
-                "include the old one, or exp overflows as soon as the old scores exceed this block's by about "
-                "709, and a row that sees no key of a block meets exp(-inf - (-inf)). See hint 2.")
+                f"the new m is {m.item():.6g} and l is {l.item():.6g} (expected 800 and 1): exp overflows as soon "
+                "as the old scores exceed this block's by about 709, and a row that sees no key of a block "
+                "meets exp(-inf - (-inf)). See hint 2.")
     # 3. The maximum updated: m = 0, then a block whose score is 800.
     m, l, acc = run(_state([[0.0]], [[1.0]], [[[1, 0, 0, 0]]]), _block([[800.0]], [[0, 1, 0, 0]]))
     if not _same(m, [[800.0]]):
@@ -180,7 +180,7 @@ def probe(merge_block) -> str | None:
                   "the key at 4"),
         "reversed": "the causal mask is reversed: the query at position 5 used the keys at 5, 6, 7 and not 4",
         "diagonal": ("the causal mask hides the diagonal: the query at position 5 did not use the key at 5, "
-                     "its own position (mask keys AFTER the query only)"),
+                     "its own position"),
     }.get(found, f"with queries at positions 5, 7 and keys at 4..7, the keys each query used are {used} "
                  "(1 = used; expected [[1, 1, 0, 0], [1, 1, 1, 1]])")
     return f"{why}. See hint 3."

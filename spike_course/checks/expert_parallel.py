@@ -62,6 +62,8 @@ def _routing_mistake(reports, world) -> str | None:
     right = _expected(reports, world, "first choices first")
     if given == right:
         return None
+    if not any(given.values()):
+        return "no expert was given any row: the tokens were never dispatched to their experts. See hint 2."
     on_rank = lambda rows, d: sorted(r for e, v in rows.items() if e // per_rank == d for r in v)  # noqa: E731
     if all(on_rank(given, d) == on_rank(right, d) for d in range(world)):
         return ("the rows reach the right rank but the wrong expert on it: what arrives from each rank is "
@@ -160,8 +162,8 @@ def check_moe_layer(jobs: dict) -> None:
                                   f"{tuple(want['y'][rank].shape)}.")
             if _close(y, want["y"][rank].detach(), n):
                 continue
-            for name, what in (("ungated", "the router's weights are not applied on the combine: each "
-                                "expert's result must be multiplied by its gate. See hint 3."),
+            for name, what in (("ungated", "the router's weights are not applied on the combine: the output is "
+                                "the sum of the experts' results without their gates. See hint 3."),
                                ("dropped", "dropped tokens are counted twice: a dropped assignment adds "
                                 "nothing here, because the residual connection around the layer already "
                                 "carries its token. See hint 3."),
