@@ -16,7 +16,7 @@ from spike_course.checks import CheckFailed, check_capstone_job, check_capstone_
 from spike_course.runai import submit_command, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
-STEM = "13_capstone_your_own_job"
+STEM = "15_capstone_your_own_job"
 SOLUTION_NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
 SOLUTION = workers.worker_cells(SOLUTION_NOTEBOOK)[f"{STEM}/train.py"]
 

@@ -9,7 +9,7 @@ from spike_course import exercises
 from spike_course.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-CAPSTONE = "13_capstone_your_own_job"
+CAPSTONE = "15_capstone_your_own_job"
 
 
 def test_a_learners_answers_are_exported_and_blanks_are_named(tmp_path, monkeypatch, capsys):
