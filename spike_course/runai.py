@@ -65,6 +65,9 @@ FLAGS = {
                        "Distributed: elastic, minimum replicas"),
     "--max-replicas": ("elastic: most pods the job grows to", "Distributed: elastic, maximum replicas"),
     "-e": ("an environment variable set in the container", "Environment: environment variables"),
+    "--termination-grace-period": ("seconds between SIGTERM and SIGKILL when a pod is stopped or "
+                                   "preempted (the pods' terminationGracePeriodSeconds)",
+                                   "Runtime settings: termination grace period"),
     "--command": ("what follows `--` replaces the image's entry point",
                   "Runtime settings: command and arguments"),
 }
@@ -79,7 +82,7 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
                    pvc_path: str = "/data", cpu: float | None = None, memory: str | None = None,
                    cpu_limit: float | None = None, memory_limit: str | None = None,
                    user_group_source: str | None = "fromTheImage", backend: str | None = "nccl",
-                   env: dict | None = None, extra=()) -> str:
+                   env: dict | None = None, grace_period: int | None = None, extra=()) -> str:
     """The ``runai`` command line that submits this job, as one shell-quoted string.
 
     command: a string runs through ``bash -lc`` (so ``cd /data; python3 x.py`` works); a list
@@ -95,6 +98,9 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
     backend: what the script's process group uses, only to catch impossible jobs
         (NCCL needs a GPU per process); None when the job does no torch.distributed.
     env: environment variables for the container (``-e KEY=VALUE``).
+    grace_period: whole seconds a pod gets between SIGTERM and SIGKILL when it is stopped or
+        preempted (``--termination-grace-period``); None keeps the cluster's default (30 s in
+        Kubernetes). Ask for one training step plus one checkpoint save, with a margin.
     extra: further flags, appended as given.
     """
     if not isinstance(name, str) or not _NAME.match(name) or len(name) > 63:
@@ -144,6 +150,11 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
     for label, value in (("memory", memory), ("memory_limit", memory_limit)):
         if value is not None and not _MEMORY.match(str(value)):
             raise ValueError(f"{label}={value!r} is not a Kubernetes quantity like '64G' or '500Mi'")
+    if grace_period is not None and (not isinstance(grace_period, int) or isinstance(grace_period, bool)
+                                     or grace_period < 1):
+        raise ValueError(f"grace_period={grace_period!r}: give whole seconds >= 1 (the time of one "
+                         "training step plus one checkpoint save, with a margin), or None for the "
+                         "cluster's default")
     cpu_limit = cpu if cpu_limit is None else cpu_limit
     memory_limit = memory if memory_limit is None else memory_limit
     if cpu is not None and cpu_limit is not None and cpu_limit < cpu:
@@ -173,6 +184,8 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
             parts += ["--max-replicas", str(max_replicas)]
     for key, value in (env or {}).items():
         parts += ["-e", f"{key}={value}"]
+    if grace_period is not None:
+        parts += ["--termination-grace-period", f"{grace_period}s"]
     parts += [str(flag) for flag in extra]
     if command is not None:
         parts += ["--command", "--"]

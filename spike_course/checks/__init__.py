@@ -28,3 +28,5 @@ from .profiling import check_hang_diagnosis, check_straggler
 from .memory import check_fits_budget, check_peak_prediction
 from .context_parallel import check_ring_attention
 from .expert_parallel import check_moe_layer
+from .sizing import check_job_plan
+from .preemption import check_preemption_safe

@@ -1,0 +1,237 @@
+"""Exercise checks for chapter 14: a training job that survives preemption.
+
+``check_preemption_safe`` runs the drill itself: it launches the learner's script, delivers
+real signals (SIGTERM with a grace period, then SIGKILL, as Kubernetes does; SIGKILL with no
+grace, as a lost node does) at random steps, relaunches the same command each time, and
+compares every step the runs trained, and the final weights, bit for bit with the
+uninterrupted run of the given plain script."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+from ._common import CheckFailed, first_failure, passed
+
+GRACE = 3.0  # seconds between SIGTERM and SIGKILL: a step and a save of this job take milliseconds
+PLANTED = "step_999999"  # the half-written folder the check leaves, as a SIGKILL mid-save would
+
+
+def _beats(folder: Path, nproc: int) -> dict:
+    found = {}
+    for rank in range(nproc):
+        try:
+            pid, step = map(int, (folder / f"rank{rank}").read_text().split())
+            found[rank] = (pid, step)
+        except (FileNotFoundError, ValueError):
+            pass
+    return found
+
+
+def _launch(script, args, at_step, sig, ranks, nproc, threads, work):
+    """One launch with the drill: returns (job, beats when the signal went, beats at the end,
+    whether the grace period ran out)."""
+    import spike_course
+
+    beats_dir = work / "heartbeat"
+    shutil.rmtree(beats_dir, ignore_errors=True)
+    beats_dir.mkdir(parents=True)
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(job=spike_course.launch(
+        script, nproc=nproc, omp_threads=threads, check=False, echo=False, progress=False, timeout=60,
+        args=[*args, "--ckpt-dir", work / "ckpt", "--heartbeat", beats_dir])))
+    thread.start()
+    sent, killed = None, False
+    while thread.is_alive():
+        beats = _beats(beats_dir, nproc)
+        if at_step is not None and sent is None and len(beats) == nproc \
+                and min(s for _, s in beats.values()) >= at_step:
+            sent = (time.monotonic(), beats)
+            for rank in ranks:
+                os.kill(beats[rank][0], sig)
+        if sent and not killed and time.monotonic() - sent[0] > GRACE:
+            killed, last = True, _beats(beats_dir, nproc)
+            for pid, _ in sent[1].values():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.001)
+    thread.join()
+    job = box["job"]
+    _started(job, "launch")
+    if at_step is not None and sent is None:
+        raise CheckFailed(f"the job ended before it reached step {at_step}, so no signal could be sent: "
+                          "it must train --steps steps and call parts.heartbeat(args, ctx, step) before each.")
+    return job, (sent[1] if sent else None), (last if killed else None), killed
+
+
+def _started(job, what):
+    if "NotImplementedError" in "\n".join(line for lines in job.output.values() for line in lines):
+        raise CheckFailed("safe_train.py is not written yet: a rank stopped at `raise NotImplementedError`. "
+                          "Replace that line with your code and run the check again.")
+    if job.timed_out:
+        raise CheckFailed(f"the {what} did not finish within {job.seconds:.0f} s: a rank waited in a collective "
+                          "that the other never entered.")
+
+
+def _after_sigterm(job, last, killed, ranks, what):
+    _started(job, what)
+    codes = job.returncodes
+    if any(codes.get(r) == -signal.SIGTERM for r in ranks):
+        raise CheckFailed(f"in the {what}, SIGTERM ended rank {min(r for r in ranks if codes.get(r) == -signal.SIGTERM)} "
+                          "at once (exit code -15): nothing caught the signal, so the job saved nothing. "
+                          "See Hint 1.")
+    if killed and sorted(job.reports) == list(range(job.nproc)):
+        raise CheckFailed(
+            f"in the {what}, the ranks stopped after step {job.reports[0]['step']} and reported, but did not "
+            f"exit within the grace period of {GRACE:.0f} s and were killed: the processes hung at exit. That "
+            "is where a background save (dcp.async_save) that nobody waited for still runs: its future must "
+            "be done, and the save known to be complete, before the process ends (Hint 4).")
+    if killed:
+        steps = {r: s for r, (_, s) in last.items()}
+        if len(set(steps.values())) > 1:
+            raise CheckFailed(
+                f"in the {what}, the ranks stopped at different steps ({steps}, steps done per rank when the "
+                f"grace period of {GRACE:.0f} s ran out) and the job hung until SIGKILL: one rank decided to "
+                "stop by itself while the other went on into the next step's collectives. All ranks must "
+                "decide together, at the same step boundary (Hint 2).")
+        raise CheckFailed(
+            f"in the {what}, the job did not leave within the grace period of {GRACE:.0f} s after SIGTERM and "
+            "was killed, although every rank was at the same step: it hung inside a step. A save (or any "
+            "collective) started from the signal handler runs while the other rank is inside a training "
+            "collective. The handler may only record the signal (Hint 1).")
+    if not job.ok or sorted(job.reports) != list(range(job.nproc)):
+        rank, code, error = first_failure(job)
+        raise CheckFailed(f"in the {what}, rank {rank} failed after SIGTERM (exit code {code}): {error}. "
+                          "The launch output shows its traceback.")
+    stops = {r: (rep["step"], rep["stopped"]) for r, rep in job.reports.items()}
+    if 0 not in ranks and all(sig == 0 for _, sig in stops.values()):
+        raise CheckFailed(
+            f"in the {what}, only rank {min(ranks)} received SIGTERM, and the job trained on to step "
+            f"{stops[0][0]} as if nothing had happened: the decision to stop ignored that rank's flag (rank 0 "
+            "alone decided?). Every rank's flag must count, and all ranks must learn the same answer (Hint 2).")
+    if len({s for s, _ in stops.values()}) > 1 or any(sig != signal.SIGTERM for _, sig in stops.values()):
+        raise CheckFailed(f"in the {what}, the ranks reported (steps done, signal) = {stops}: every rank, "
+                          "also one that received no signal itself, must stop at the same step and report "
+                          "stopped=SIGTERM (Hint 2).")
+    return stops[0][0]
+
+
+def _resumed(job, expected_from, what):
+    start = job.reports[0]["start"]
+    if start == int(PLANTED.split("_")[1]):
+        raise CheckFailed(f"the {what} loaded {PLANTED}, a checkpoint folder whose save never finished (the "
+                          "check left it as a SIGKILL in the middle of a save would). Load only checkpoints "
+                          "known to be complete (Hint 3).")
+    if start < expected_from:
+        raise CheckFailed(
+            f"the job stopped after step {expected_from} on SIGTERM, but the {what} resumed from step {start}: "
+            f"the work of steps {start + 1}..{expected_from} was lost. The save of the step the job stopped at "
+            "must be finished, and known to be finished, before the process exits; a background save "
+            "(dcp.async_save) runs on after the call returns, until its future is done (Hint 4).")
+
+
+def _compare(reference, runs, final):
+    """Each step trained in the drill's runs against the same step of the uninterrupted run."""
+    import torch
+
+    for rank in sorted(reference):
+        for run in runs:
+            for step, got in sorted(run[rank]["trained"].items()):
+                want = reference[rank]["trained"][step]
+                where = f"rank {rank}, step {step} (a run that resumed from step {run[rank]['start']})"
+                if got["samples"] != want["samples"]:
+                    raise CheckFailed(
+                        f"{where} trained samples {got['samples'][:4]}..., the uninterrupted run "
+                        f"{want['samples'][:4]}...: the resumed run does not continue at the data position "
+                        "it stopped at (the epoch, the place in it, the shuffle). Hint 5.")
+                if got["noise"] != want["noise"]:
+                    raise CheckFailed(
+                        f"{where} drew other random numbers than the uninterrupted run (its input noise "
+                        "differs; dropout does too): each rank's random number generator must continue "
+                        "where it was. Hint 5.")
+                if got["lr"] != want["lr"]:
+                    raise CheckFailed(
+                        f"{where} used learning rate {got['lr']:g}, the uninterrupted run {want['lr']:g}: the "
+                        "learning rate schedule did not continue where it stopped. The current rate lives in "
+                        "the optimizer's param_groups (restored with the optimizer's state, which also holds "
+                        "SGD's momentum), the schedule's position in the scheduler's own state_dict: both "
+                        "must be restored. Hint 3.")
+                if got["loss"] != want["loss"]:
+                    raise CheckFailed(
+                        f"{where} saw the right samples, random numbers and learning rate but computed another "
+                        "loss: the weights it trained are not the uninterrupted run's. Both the model's weights "
+                        "and the optimizer's state (SGD's momentum) must be restored. Hint 3.")
+    for name, value in reference[0]["params"].items():
+        if not torch.equal(final[0]["params"][name], value):
+            raise CheckFailed(f"the final {name} differs from the uninterrupted run's, although every step "
+                              "saw the same data, random numbers, learning rate and loss: the last steps' "
+                              "updates differ (was the optimizer's momentum restored?). Hint 3.")
+
+
+def check_preemption_safe(script, reference, *, steps: int = 30, seed: int | None = None,
+                          threads: int = 1, work=None) -> None:
+    """Run the drill on ``script`` (2 ranks) and compare with ``reference``, the reports of the
+    uninterrupted plain run with the same --steps and ``threads`` threads per rank."""
+    script = Path(script)
+    if not reference or 0 not in reference or "trained" not in reference[0]:
+        raise CheckFailed("pass the .reports of the uninterrupted plain_train.py launch as `reference`.")
+    if len(reference[0]["trained"]) != steps:
+        raise CheckFailed(f"the reference trained {len(reference[0]['trained'])} steps, the drill runs {steps}: "
+                          "launch plain_train.py with the same --steps.")
+    rng = random.Random(seed)
+    work = Path(work) if work else script.parent / "drill"
+    shutil.rmtree(work, ignore_errors=True)
+    args = ["--steps", steps]
+    common = dict(nproc=2, threads=threads, work=work)
+    runs = []
+
+    # 1. SIGTERM to both ranks, as torchrun forwards it.
+    job, _, last, killed = _launch(script, args, rng.randrange(3, 9), signal.SIGTERM, (0, 1), **common)
+    stop1 = _after_sigterm(job, last, killed, (0, 1), "first launch")
+    runs.append(job.reports)
+    # 2. The same command again; SIGTERM to rank 1 only, a few steps on.
+    job, _, last, killed = _launch(script, args, stop1 + rng.randrange(2, 5), signal.SIGTERM, (1,), **common)
+    _started(job, "second launch")
+    if job.ok and 0 in job.reports:
+        _resumed(job, stop1, "second launch")
+    stop2 = _after_sigterm(job, last, killed, (1,), "second launch")
+    runs.append(job.reports)
+    # 3. SIGKILL to both, no grace at all.
+    kill_at = stop2 + rng.randrange(2, 6)
+    job, _, _, _ = _launch(script, args, kill_at, signal.SIGKILL, (0, 1), **common)
+    _started(job, "third launch")
+    # ...and a newer folder cut short, as a SIGKILL in the middle of a save leaves one
+    done = sorted(p for p in (work / "ckpt").glob("step_*") if p.is_dir())
+    if done:
+        planted = work / "ckpt" / PLANTED
+        planted.mkdir()
+        for part in done[-1].iterdir():
+            if part.suffix == ".distcp":
+                (planted / part.name).write_bytes(part.read_bytes()[: part.stat().st_size // 3])
+    # 4. The same command, to the end.
+    job, _, _, _ = _launch(script, args, None, signal.SIGTERM, (), **common)
+    _started(job, "last launch")
+    output = "\n".join(line for lines in job.output.values() for line in lines)
+    if not job.ok or 0 not in job.reports:
+        rank, code, error = first_failure(job)
+        if PLANTED in output:
+            raise CheckFailed(f"the last launch tried to load {PLANTED}, a checkpoint folder whose save never "
+                              "finished (the check left it as a SIGKILL in the middle of a save would), and "
+                              f"failed: {error}. Load only checkpoints known to be complete (Hint 3).")
+        raise CheckFailed(f"the last launch (after a SIGKILL) failed: rank {rank}, exit code {code}: {error}.")
+    _resumed(job, min(kill_at, job.reports[0]["start"]), "last launch (after a SIGKILL)")
+    if job.reports[0]["start"] < stop2:
+        raise CheckFailed(f"after the SIGKILL in step {kill_at}, the last launch resumed from step "
+                          f"{job.reports[0]['start']}, before step {stop2}, which the second launch had saved.")
+    runs.append(job.reports)
+    final = job.reports
+    _compare(reference, runs, final)
+    passed("SIGTERM to both ranks, SIGKILL, a half-written checkpoint and SIGTERM to one rank: "
+           "every relaunch resumed exactly, and the final weights equal the uninterrupted run's bit for bit")

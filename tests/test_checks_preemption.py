@@ -1,0 +1,115 @@
+"""Chapter 14's exercise: check_preemption_safe passes the solution's safe_train.py under its
+drill (SIGTERM to both ranks, SIGTERM to one, SIGKILL, a half-written checkpoint) and names
+each classic mistake.
+
+Every mistake is planted in a copy of the solution's safe_train.py (a line of its solution
+region changed), written next to the exercise's own job_parts.py; the uninterrupted
+plain_train.py run is launched once for the module. One drill per mistake: a few 2-rank warm
+launches, about 1 s, or 4 s when the mistake makes the job hang until the grace period ends."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import spike_course
+from spike_course import exercises, workers
+from spike_course.checks import CheckFailed, check_preemption_safe
+
+ROOT = Path(__file__).resolve().parents[1]
+STEM = "14_surviving_preemption"
+NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
+CELLS = workers.worker_cells(NOTEBOOK)
+SAFE = next(c.source for c in NOTEBOOK.cells  # with its solution markers
+            if c.source.startswith(f"%%writefile workers/{STEM}/safe_train.py")).split("\n", 1)[1]
+STEPS = 30
+
+
+def planted(old, new):
+    """The solution's safe_train.py with ``old`` replaced by ``new`` in its solution region."""
+    head, region = SAFE.split("### BEGIN SOLUTION")
+    assert old in region, f"the solution's safe_train.py no longer contains {old!r}: update this test"
+    return head + "### BEGIN SOLUTION" + region.replace(old, new, 1)
+
+
+HANDLER = "signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))"
+AGREE = "dist.all_reduce(anyone, op=dist.ReduceOp.MAX)"
+EXIT = '''if in_flight is not None:
+    in_flight.result()
+    seal(in_flight_step)
+if in_flight_step != job.step and start != job.step:
+    dcp.save(everything, storage_writer=where(job.step), process_group=writer_group)
+    seal(job.step)'''
+MISTAKES = {
+    "blank": (None, r"safe_train.py is not written yet"),
+    "no_handler": ((HANDLER, "pass"), r"SIGTERM ended rank \d at once \(exit code -15\): nothing caught the signal"),
+    "saving_inside_the_handler": ((HANDLER, '''def save_now(signum, frame):
+    received.append(signum)
+    dcp.save(everything, storage_writer=where(job.step), process_group=writer_group)
+    seal(job.step)
+
+
+signal.signal(signal.SIGTERM, save_now)'''), r"hung inside a step.*started from the signal handler"),
+    "rank_0_alone_decides": ((AGREE, "dist.broadcast(anyone, src=0)"),
+                             r"only rank 1 received SIGTERM.*ignored that rank's flag \(rank 0 alone decided\?\)"),
+    "each_rank_decides_alone": ((AGREE, "pass"), r"stopped at different steps.*decided to stop by itself"),
+    "rng_state_not_saved": (('torch.set_rng_state(saved[f"generator{ctx.rank}"])', "pass"),
+                            r"drew other random numbers than the uninterrupted run"),
+    "data_position_not_saved": (("itertools.islice(loader, skip, skip + args.steps - job.step)",
+                                 "itertools.islice(loader, 0, args.steps - job.step)"),
+                                r"does not continue at the data position it stopped at"),
+    "half_written_checkpoint_loaded": (('if (p / "COMPLETE").exists()', "if p.is_dir()"),
+                                       r"step_999999, a checkpoint folder whose save never finished"),
+    "async_future_never_awaited": ((EXIT, '''if in_flight_step != job.step and start != job.step:
+    in_flight = dcp.async_save(everything, storage_writer=where(job.step), process_group=writer_group)'''), r"dcp\.async_save.*\(Hint 4\)"),
+    "scheduler_not_restored": (('everything = {"job": job, "schedule": scheduler}', 'everything = {"job": job}'),
+                               r"used learning rate .* the schedule's position in the scheduler's own state_dict"),
+    "optimizer_not_restored": (('set_optimizer_state_dict(model, optimizer, saved["moments"])', "pass"),
+                               # the rate shows it first when a resumed run crosses step 7, 14, ...; else the momentum
+                               r"(used learning rate .* the optimizer's param_groups \(restored with the optimizer's state"
+                               r"|computed another loss.*the optimizer's state \(SGD's momentum\))"),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plain")
+    for name in ("job_parts.py", "plain_train.py"):
+        (folder / name).write_text(CELLS[f"{STEM}/{name}"])
+    job = spike_course.launch(folder / "plain_train.py", nproc=2, omp_threads=1, echo=False, progress=False,
+                              args=["--steps", STEPS])
+    return job.reports
+
+
+def drill(worker, source, reference):
+    worker(CELLS[f"{STEM}/job_parts.py"], "job_parts.py")
+    check_preemption_safe(worker(source, "safe_train.py"), reference, steps=STEPS, threads=1)
+
+
+@pytest.mark.processes
+def test_the_solution_passes_the_drill(worker, no_orphans, reference, capsys):
+    drill(worker, SAFE, reference)
+    assert "the final weights equal the uninterrupted run's bit for bit" in capsys.readouterr().out
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_planted_mistake_is_named(mistake, worker, no_orphans, reference):
+    change, message = MISTAKES[mistake]
+    source = exercises.blank_source(SAFE) if change is None else planted(*change)
+    with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
+        drill(worker, source, reference)
+
+
+@pytest.mark.processes
+def test_the_plain_script_itself_fails(worker, no_orphans, reference):
+    """The trivial answer, the given script unchanged, meets the first SIGTERM unprepared."""
+    with pytest.raises(CheckFailed, match=r"nothing caught the signal"):
+        drill(worker, CELLS[f"{STEM}/plain_train.py"], reference)
+
+
+def test_a_reference_of_another_length_is_refused(tmp_path):
+    short = {0: {"trained": {1: {}, 2: {}}}}
+    with pytest.raises(CheckFailed, match=r"the reference trained 2 steps, the drill runs 30"):
+        check_preemption_safe(tmp_path / "safe_train.py", short, steps=STEPS)
