@@ -106,6 +106,13 @@ def _after_sigterm(job, last, killed, ranks, what):
             "was killed, although every rank was at the same step: it hung inside a step. A save (or any "
             "collective) started from the signal handler runs while the other rank is inside a training "
             "collective. The handler may only record the signal (Hint 1).")
+    aborted = [r for r in range(job.nproc) if codes.get(r) == -signal.SIGABRT and r in job.reports]
+    if aborted:  # it finished and reported: what aborted its exit was a thread still running
+        raise CheckFailed(
+            f"in the {what}, rank {aborted[0]} stopped and reported, then aborted as it exited (exit code -6, "
+            "SIGABRT): a background thread was still running when the process ended. That is a background "
+            "save (dcp.async_save) that nobody waited for: its future must be done, and the save known to "
+            "be complete, before the process ends (Hint 4).")
     if not job.ok or sorted(job.reports) != list(range(job.nproc)):
         rank, code, error = first_failure(job)
         raise CheckFailed(f"in the {what}, rank {rank} failed after SIGTERM (exit code {code}): {error}. "
