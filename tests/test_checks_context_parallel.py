@@ -14,20 +14,13 @@ import pytest
 import spike_course
 from spike_course import exercises, workers
 from spike_course.checks import CheckFailed, check_ring_attention
+from planting import planted, written_file
 
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "12_context_and_expert_parallel"
 NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
 HARNESS = workers.worker_cells(NOTEBOOK)[f"{STEM}/ring_check.py"]
-MERGE = next(c.source for c in NOTEBOOK.cells  # with its solution markers
-             if c.source.startswith(f"%%writefile workers/{STEM}/ring_merge.py")).split("\n", 1)[1]
-
-
-def planted(old, new):
-    """The solution's ring_merge.py with ``old`` replaced by ``new`` in its solution region."""
-    head, region = MERGE.split("### BEGIN SOLUTION")
-    assert old in region, f"the solution's merge_block no longer contains {old!r}: update this test"
-    return head + "### BEGIN SOLUTION" + region.replace(old, new, 1)
+MERGE = written_file(NOTEBOOK, f"{STEM}/ring_merge.py")
 
 
 MAXIMUM = "torch.maximum(m, scores.amax(dim=-1))"
@@ -81,7 +74,7 @@ def test_the_solution_passes_on_2_and_4_ranks(worker, no_orphans, capsys):
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
     change, message = MISTAKES[mistake]
-    source = exercises.blank_source(MERGE) if change is None else planted(*change)
+    source = exercises.blank_source(MERGE) if change is None else planted(MERGE, change)
     jobs, merge = run(worker, source)
     with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
         check_ring_attention(jobs, merge)
@@ -91,9 +84,10 @@ def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
 def test_a_wrong_ring_is_failed_even_when_no_probe_names_it(worker, no_orphans):
     """A merge that is right on the probes' tiny blocks (one head, d = 4) but wrong on the
     ring's: the comparison with one process still fails it."""
-    source = planted("return m_new,", "if q.shape[0] > 1:  # the probes use one head\n"
-                                       "        p = p.flip(-1)  # each weight with another key's value\n"
-                                       "    return m_new,")
+    flipped = ("if q.shape[0] > 1:  # the probes use one head\n"
+               "        p = p.flip(-1)  # each weight with another key's value\n"
+               "    return m_new,")
+    source = planted(MERGE, ("return m_new,", flipped))
     jobs, merge = run(worker, source)
     with pytest.raises(CheckFailed, match=r"the ring's rows differ from one process's attention by up to"):
         check_ring_attention(jobs, merge)

@@ -14,22 +14,13 @@ import pytest
 import spike_course
 from spike_course import exercises, workers
 from spike_course.checks import CheckFailed, check_moe_layer
+from planting import planted, written_file
 
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "12_context_and_expert_parallel"
 NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
 HARNESS = workers.worker_cells(NOTEBOOK)[f"{STEM}/moe_check.py"]
-LAYER = next(c.source for c in NOTEBOOK.cells  # with its solution markers
-             if c.source.startswith(f"%%writefile workers/{STEM}/moe_exchange.py")).split("\n", 1)[1]
-
-
-def planted(*changes):
-    """The solution's moe_exchange.py with each (old, new) of ``changes`` made in its solution region."""
-    head, region = LAYER.split("### BEGIN SOLUTION")
-    for old, new in changes:
-        assert old in region, f"the solution's moe_forward no longer contains {old!r}: update this test"
-        region = region.replace(old, new, 1)
-    return head + "### BEGIN SOLUTION" + region
+LAYER = written_file(NOTEBOOK, f"{STEM}/moe_exchange.py")
 
 
 PRIORITY = "expert, weight = choice.t().reshape(-1), gate.t().reshape(-1)"
@@ -91,7 +82,7 @@ def test_the_solution_passes_on_2_and_4_ranks(worker, no_orphans, capsys):
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
     changes, message = MISTAKES[mistake]
-    source = planted(*changes) if changes else exercises.blank_source(LAYER)
+    source = planted(LAYER, *changes) if changes else exercises.blank_source(LAYER)
     jobs = run(worker, source)
     with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
         check_moe_layer(jobs)

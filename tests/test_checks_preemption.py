@@ -16,21 +16,14 @@ import pytest
 import spike_course
 from spike_course import exercises, workers
 from spike_course.checks import CheckFailed, check_preemption_safe
+from planting import planted, written_file
 
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "14_surviving_preemption"
 NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
 CELLS = workers.worker_cells(NOTEBOOK)
-SAFE = next(c.source for c in NOTEBOOK.cells  # with its solution markers
-            if c.source.startswith(f"%%writefile workers/{STEM}/safe_train.py")).split("\n", 1)[1]
+SAFE = written_file(NOTEBOOK, f"{STEM}/safe_train.py")
 STEPS = 30
-
-
-def planted(old, new):
-    """The solution's safe_train.py with ``old`` replaced by ``new`` in its solution region."""
-    head, region = SAFE.split("### BEGIN SOLUTION")
-    assert old in region, f"the solution's safe_train.py no longer contains {old!r}: update this test"
-    return head + "### BEGIN SOLUTION" + region.replace(old, new, 1)
 
 
 HANDLER = "signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))"
@@ -97,7 +90,7 @@ def test_the_solution_passes_the_drill(worker, no_orphans, reference, capsys):
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_planted_mistake_is_named(mistake, worker, no_orphans, reference):
     change, message = MISTAKES[mistake]
-    source = exercises.blank_source(SAFE) if change is None else planted(*change)
+    source = exercises.blank_source(SAFE) if change is None else planted(SAFE, change)
     with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
         drill(worker, source, reference)
 

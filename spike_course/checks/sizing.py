@@ -68,6 +68,11 @@ def _near(value, want, rtol) -> bool:
     return math.isclose(float(value), float(want), rel_tol=rtol, abs_tol=0.0)
 
 
+def _slip(got, mistakes, rtol) -> str | None:
+    """The message of the first (value, message) of ``mistakes`` whose value ``got`` equals."""
+    return next((message for value, message in mistakes if _near(got, value, rtol)), None)
+
+
 def _facts(shape, seq):
     from ..costmodel import activation_bytes, transformer_params
 
@@ -189,10 +194,10 @@ def _check_activations(where, plan, acts, measured) -> None:
                     (acts(micro), "not divided by tp: tensor parallel (with sequence parallel) splits "
                                   "the activations over the tp group"),
                     (acts(micro, "fp32") / tp, "counted in fp32: the job computes in bf16")]
-        for value, message in mistakes:
-            if _near(got, value, 1e-9):
-                raise CheckFailed(f"{where}: activation_bytes = {got / 1e9:.3f} GB, expected {want / 1e9:.3f} "
-                                  f"GB per rank: {message} (Hint 2).")
+        message = _slip(got, mistakes, 1e-9)
+        if message:
+            raise CheckFailed(f"{where}: activation_bytes = {got / 1e9:.3f} GB, expected {want / 1e9:.3f} "
+                              f"GB per rank: {message} (Hint 2).")
         raise CheckFailed(f"{where}: activation_bytes = {got / 1e9:.3f} GB, the cost model gives "
                           f"{want / 1e9:.3f} GB for one micro-batch of {micro} on one rank (Hint 2).")
     budget = CLUSTER["usable"] * CLUSTER["gpu_memory"]
@@ -217,10 +222,10 @@ def _check_time(where, plan, params, seq, tokens, deadline) -> float:
                     (want_step * gpus, "the step's work is not shared among the GPUs"),
                     (want_step * tp, "tensor parallel's GPUs are not counted as sharing the work of "
                                      "their micro-batch")]
-        for value, message in mistakes:
-            if _near(got, value, 1e-6):
-                raise CheckFailed(f"{where}: step_seconds = {got:.4g} s, expected {want_step:.4g} s: "
-                                  f"{message} (Hint 2).")
+        message = _slip(got, mistakes, 1e-6)
+        if message:
+            raise CheckFailed(f"{where}: step_seconds = {got:.4g} s, expected {want_step:.4g} s: "
+                              f"{message} (Hint 2).")
         raise CheckFailed(f"{where}: step_seconds = {got:.4g} s; 6 N x the step's tokens / (GPUs x peak x "
                           f"MFU) gives {want_step:.4g} s (Hint 2).")
     want_hours = want_step * tokens / step_tokens / 3600
