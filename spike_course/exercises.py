@@ -4,7 +4,10 @@
 In a solution notebook the answer sits between ``### BEGIN SOLUTION`` and
 ``### END SOLUTION`` lines. The exercise notebook is the same notebook with each such
 region replaced by a stub that raises ``NotImplementedError`` (indented like the
-BEGIN line), and with outputs cleared.
+BEGIN line), and with outputs cleared. A region whose BEGIN line says where the exercise
+starts, ``### BEGIN SOLUTION (starts as workers/NN_topic/single.py)``, becomes the stub
+followed by that file as the notebook's ``%%writefile`` cell writes it: the learner
+changes a whole given script (the capstone), and everything after the stub is their answer.
 
 Tags tell CI what to expect of the blank exercise:
 
@@ -30,11 +33,33 @@ import nbformat
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 CHECK_TAG, USES_TAG, RAISES_TAG = "check", "uses-solution", "raises-exception"
 STUB = 'raise NotImplementedError("exercise: replace this line with your code")'
-_BEGIN_LINE = re.compile(r"^(\s*)" + re.escape(BEGIN) + r"\s*$")
+STARTS_AS_KEY = "spike_course_starts_as"  # in a blank cell's metadata: the given script it starts as
+_BEGIN_LINE = re.compile(r"^(\s*)" + re.escape(BEGIN) + r"(?: \(starts as (\S+)\))?\s*$")
+_WRITEFILE = re.compile(r"\A%%writefile\s+(\S+)[ \t]*\n")
 
 
-def blank_source(source: str, where: str = "") -> str:
-    """Replace every solution region of one cell's source with a stub."""
+def written_files(notebook) -> dict:
+    """{path: text} of the notebook's ``%%writefile`` cells, as the course wrote them."""
+    found = {}
+    for cell in notebook.cells:
+        match = _WRITEFILE.match(cell.source) if cell.cell_type == "code" else None
+        if match:
+            found[match.group(1)] = cell.source[match.end():]
+    return found
+
+
+def starts_as(source: str) -> str | None:
+    """The file a cell's solution region starts from in the exercise, if it names one."""
+    for line in source.splitlines():
+        begin = _BEGIN_LINE.match(line)
+        if begin and begin.group(2):
+            return begin.group(2)
+    return None
+
+
+def blank_source(source: str, where: str = "", starters=None) -> str:
+    """Replace every solution region of one cell's source with a stub (followed, for a
+    region that starts as a given file, by that file's text from ``starters``)."""
     out, indent = [], None
     for number, line in enumerate(source.splitlines(), 1):
         begin = _BEGIN_LINE.match(line)
@@ -44,6 +69,10 @@ def blank_source(source: str, where: str = "") -> str:
             indent = begin.group(1)
             out.append(f"{indent}# YOUR CODE HERE")
             out.append(f"{indent}{STUB}")
+            if begin.group(2):
+                if begin.group(2) not in (starters or {}):
+                    raise ValueError(f"{where} line {number}: no %%writefile cell writes {begin.group(2)}")
+                out += starters[begin.group(2)].rstrip("\n").splitlines()
         elif line.strip() == END:
             if indent is None:
                 raise ValueError(f"{where} line {number}: {END} without a {BEGIN} before it")
@@ -64,12 +93,15 @@ def make_exercise(solution: nbformat.NotebookNode, name: str = "") -> nbformat.N
     exercise = nbformat.from_dict(solution)
     if not any(has_solution(cell) for cell in exercise.cells):
         raise ValueError(f"{name}: no {BEGIN} region: a solution notebook needs at least one")
+    starters = written_files(solution)
     for index, cell in enumerate(exercise.cells):
         if cell.cell_type != "code":
             continue
         tags = list(cell.metadata.get("tags", []))
         if has_solution(cell):
-            cell.source = blank_source(cell.source, f"{name} cell {index}")
+            if starts_as(cell.source):  # grading and learner_work take the whole script as the answer
+                cell.metadata[STARTS_AS_KEY] = starts_as(cell.source)
+            cell.source = blank_source(cell.source, f"{name} cell {index}", starters)
         if has_solution(solution.cells[index]) or CHECK_TAG in tags or USES_TAG in tags:
             if RAISES_TAG not in tags:
                 tags.append(RAISES_TAG)
@@ -94,24 +126,71 @@ def _numbers(numbers) -> str:
     return ("cell " if len(numbers) == 1 else "cells ") + ", ".join(map(str, numbers))
 
 
-def learner_work(existing, blank) -> list[str]:
+# The two lines a solution region becomes in the exercise (exercises.blank_source).
+BLANK_LINES = re.compile(r"^[ \t]*# YOUR CODE HERE\n[ \t]*" + re.escape(STUB) + r"[ \t]*$", re.M)
+
+
+def lines_as_read(source: str) -> str:
+    """Source compared as a reader sees it: trailing spaces and final newlines do not count."""
+    return "\n".join(line.rstrip() for line in source.rstrip().splitlines())
+
+
+def pieces_around(blank: str, to_the_end: bool) -> list[str]:
+    """The exercise cell's text around its blanks. When the blank is followed by a given script
+    the learner changes (``to_the_end``), that script is theirs: the last answer runs to the end."""
+    pieces = BLANK_LINES.split(lines_as_read(blank))
+    if to_the_end:
+        pieces[-1] = ""
+    return pieces
+
+
+def answers_in(blank: str, learner: str, to_the_end: bool = False) -> list[str] | None:
+    """The learner's text at each blank of an exercise cell, in order, or None when the code
+    around the blanks is no longer the exercise's (the learner edited outside an answer)."""
+    pieces = pieces_around(blank, to_the_end)
+    pattern = "(.*?)".join(re.escape(piece) for piece in pieces)
+    found = re.fullmatch(pattern, lines_as_read(learner), re.S)
+    return list(found.groups()) if found else None
+
+
+def answered(cell, blank_cell) -> bool:
+    """True when a learner wrote anything at a blank of ``blank_cell``: fewer stubs, or other
+    text where a stub stands (a line typed above the raise; a given script they started to
+    change). A cell that is only an older blank (the course changed the code around its
+    stubs) is not an answer, and may be rewritten."""
+    if STUB not in blank_cell.source:
+        return False
+    whole_script = STARTS_AS_KEY in blank_cell.get("metadata", {})
+    if cell.source.count(STUB) < blank_cell.source.count(STUB):
+        return True
+    found = answers_in(blank_cell.source, cell.source, whole_script)
+    if found is None:
+        return False
+    untouched = pieces_around(blank_cell.source, False)
+    stubs = BLANK_LINES.findall(lines_as_read(blank_cell.source))
+    if whole_script:  # everything after the stub is the learner's: compare it with the given text
+        return lines_as_read(found[-1]) != lines_as_read(stubs[-1] + untouched[-1])
+    return any(lines_as_read(a) != lines_as_read(s) for a, s in zip(found, stubs))
+
+
+def learner_work(existing, blank, solution=None) -> list[str]:
     """What a learner made in ``existing`` (an exercise notebook on disk) that ``blank`` (what
-    solutions/ generates) does not hold: answers (a cell with fewer stubs than the blank's),
-    cells run, cells added. Cells are numbered from 1, as JupyterLab shows them. Empty when
-    the file holds nothing but the course."""
+    solutions/ generates) does not hold: answers (an answer cell they changed), cells run,
+    cells added. Cells are numbered from 1, as JupyterLab shows them. Empty when the file
+    holds nothing but the course."""
     course = {cell.get("id"): cell for cell in blank.cells}
-    answered, ran, added = [], [], []
+    changed_answers, ran, added = [], [], []
     for number, cell in enumerate(existing.cells, 1):
         original = course.get(cell.get("id"))
         if original is None:
             if cell.source.strip():
                 added.append(number)
-        elif cell.source.count(STUB) < original.source.count(STUB):
-            answered.append(number)
+        elif answered(cell, original):
+            changed_answers.append(number)
         if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count") is not None):
             ran.append(number)
     return [f"{_numbers(numbers)} {what}" for numbers, what in
-            ((answered, "answered"), (ran, "run"), (added, "added")) if numbers]
+            ((changed_answers, "answered"), (ran, "run"), (added, "added")) if numbers]
 
 
 def course_drift(existing, blank) -> list[str]:
@@ -123,7 +202,7 @@ def course_drift(existing, blank) -> list[str]:
         found = cells.get(original.get("id"))
         if found is None:
             missing.append(number)
-        elif found[1].source != original.source and found[1].source.count(STUB) >= original.source.count(STUB):
+        elif found[1].source != original.source and not answered(found[1], original):
             changed.append(found[0])
     order = [cell.get("id") for cell in existing.cells if cell.get("id") in {c.get("id") for c in blank.cells}]
     problems = [f"{_numbers(changed)} differ from the course"] if changed else []

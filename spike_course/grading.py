@@ -16,10 +16,8 @@ from pathlib import Path
 
 import nbformat
 
-from .exercises import CHECK_TAG, STUB, has_solution, make_exercise
+from .exercises import CHECK_TAG, answers_in, has_solution, lines_as_read, make_exercise, pieces_around, starts_as
 
-# The two lines a solution region becomes in the exercise (exercises.blank_source).
-_BLANK = re.compile(r"^[ \t]*# YOUR CODE HERE\n[ \t]*" + re.escape(STUB) + r"[ \t]*$", re.M)
 # What an answer must not use: the checks' own code (their references), or the solutions.
 _BORROWED = re.compile(r"spike_course\.checks|from\s+spike_course\s+import[^\n]*\bchecks\b|\bchecks\.\w"
                        r"|[\"'][^\"'\n]*\bsolutions\b[^\"'\n]*[\"']")
@@ -55,20 +53,6 @@ def check_name(source: str) -> str:
     return ([name for name in called if name.startswith("check_")] or called or ["the check cell"])[-1]
 
 
-def _lines(source: str) -> str:
-    """Source compared as a reader sees it: trailing spaces and final newlines do not count."""
-    return "\n".join(line.rstrip() for line in source.rstrip().splitlines())
-
-
-def answers_in(blank: str, learner: str) -> list[str] | None:
-    """The learner's text at each blank of an exercise cell, in order, or None when the code
-    around the blanks is no longer the exercise's (the learner edited outside an answer)."""
-    pieces = _BLANK.split(_lines(blank))
-    pattern = "(.*?)".join(re.escape(piece) for piece in pieces)
-    found = re.fullmatch(pattern, _lines(learner), re.S)
-    return list(found.groups()) if found else None
-
-
 def rebuild(learner, solution, name: str = "") -> tuple:
     """The notebook grade runs, and what is wrong with the learner's: the exercise's cells
     with each blank filled from the learner's cell of the same id, and nothing else.
@@ -86,12 +70,13 @@ def rebuild(learner, solution, name: str = "") -> tuple:
         if cell.cell_type != "code" or mine is None:
             continue
         if not has_solution(solution.cells[index]):
-            if _lines(mine.source) != _lines(cell.source):
+            if lines_as_read(mine.source) != lines_as_read(cell.source):
                 kind = "check" if CHECK_TAG in cell.metadata.get("tags", []) else "reference"
                 problems.append({"id": cell.id, "error": f"EditedCell: this {kind} cell differs from the "
                                  "exercise's; it is graded as the course wrote it, so the edit cannot help"})
             continue
-        answers = answers_in(cell.source, mine.source)
+        whole_script = starts_as(solution.cells[index].source) is not None
+        answers = answers_in(cell.source, mine.source, whole_script)
         if answers is None:
             problems.append({"id": cell.id, "error": "EditedCell: the code around the answer (outside "
                              "# YOUR CODE HERE) was changed; only the answer is graded: put the rest back "
@@ -101,7 +86,7 @@ def rebuild(learner, solution, name: str = "") -> tuple:
         if borrowed:
             problems.append({"id": cell.id, "error": f"BorrowedAnswer: the answer uses {borrowed[0]!r}, "
                              "the course's checks or solutions: the exercise asks for your own code"})
-        pieces = _BLANK.split(_lines(cell.source))
+        pieces = pieces_around(cell.source, whole_script)
         cell.source = pieces[0] + "".join(a + p for a, p in zip(answers, pieces[1:]))
     for cell in theirs.values():
         if _TAMPERING.search(cell.source):

@@ -19,7 +19,7 @@ import nbformat
 
 SOURCES = ("notebooks", "solutions")
 _WRITEFILE = re.compile(r"^%%writefile\s+workers/(\S+)\s*\n")
-_SOLUTION_MARKER = re.compile(r"^\s*### (BEGIN|END) SOLUTION\s*\n", re.M)
+_SOLUTION_MARKER = re.compile(r"^[ \t]*### (BEGIN|END) SOLUTION[^\n]*(\n|\Z)", re.M)
 
 
 def worker_cells(notebook) -> dict[str, str]:
@@ -77,7 +77,8 @@ def collect(root, sources=None) -> dict[str, str]:
             if relative in collected and collected[relative] != source:
                 raise ValueError(f"two notebooks write different workers/{relative}: give one "
                                  f"of them another name (second one: {notebook_path})")
-            run_line(relative, source)  # every worker says how it runs
+            if not is_blank(source):  # every worker says how it runs (a blank is named, not run)
+                run_line(relative, source)
             collected[relative] = source
     return collected
 
@@ -96,14 +97,19 @@ def export(root, out, sources=None) -> list[Path]:
     return written
 
 
+def is_blank(source: str) -> bool:
+    """True while a worker still holds an exercise's blank (its NotImplementedError stub)."""
+    return "raise NotImplementedError(" in source
+
+
 def unanswered(paths) -> list[Path]:
     """The exported workers that still hold an exercise's blank (NotImplementedError)."""
-    return [path for path in paths if "raise NotImplementedError(" in path.read_text()]
+    return [path for path in paths if is_blank(path.read_text())]
 
 
 def node_readme(out: Path, written: list[Path]) -> str:
     lines = [f"    {path.read_text().splitlines()[0][3:]}" for path in sorted(written)
-             if MODULE not in path.read_text().splitlines()[0]]
+             if not is_blank(path.read_text()) and MODULE not in path.read_text().splitlines()[0]]
     return README.format(runs="\n".join(lines))
 
 

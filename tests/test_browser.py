@@ -61,20 +61,26 @@ def _accept_kernel(page, seconds: float = 90):
     raise AssertionError("the notebook's kernel did not start")
 
 
+def _run_all_cells(playwright, url, token, notebook):
+    """(browser, page): Chromium with ``notebook`` open in JupyterLab, its kernel started and
+    Run All Cells clicked, as a learner does it."""
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+    page = browser.new_page(viewport={"width": 1280, "height": 1900})
+    page.goto(f"{url}/lab/tree/{notebook}?token={token}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    _accept_kernel(page)
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+    return browser, page
+
+
 def test_welcome_notebook_runs_in_jupyterlab(jupyterlab):
     from playwright.sync_api import expect, sync_playwright
 
     url, token = jupyterlab
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 1900})
-        page.goto(f"{url}/lab/tree/{NOTEBOOK}?token={token}")
-        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-        _accept_kernel(page)
-
-        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        browser, page = _run_all_cells(p, url, token, NOTEBOOK)
         explorer = page.locator(".spike-course-explorer")
         progress = page.locator(".spike-course-progress")
         try:
@@ -111,3 +117,58 @@ def test_welcome_notebook_runs_in_jupyterlab(jupyterlab):
         explorer.evaluate("element => element.scrollIntoView({block: 'start'})")
         page.screenshot(path=str(SHOTS / "welcome_widgets_and_progress.png"))
         browser.close()
+
+
+CAPSTONE = "15_capstone_your_own_job"
+
+
+def _half_converted_capstone(path):
+    """The capstone's exercise notebook as a learner leaves it halfway: the process group, the
+    sampler, the global batch and the writer done; the all-reduce per micro-batch and the
+    evaluation not yet (the whole test set on every rank, nothing added up)."""
+    import nbformat
+
+    from spike_course import exercises, workers
+
+    solution = nbformat.read(ROOT / "solutions" / f"{CAPSTONE}.ipynb", as_version=4)
+    script = workers.worker_cells(solution)[f"{CAPSTONE}/train.py"]
+    for old, new in [("contextlib.nullcontext() if last else ddp_model.no_sync()", "contextlib.nullcontext()"),
+                     ("DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=256",
+                      "DataLoader(test_set, batch_size=256"),
+                     ("    dist.all_reduce(totals)\n", "")]:
+        assert old in script
+        script = script.replace(old, new)
+    notebook = exercises.make_exercise(solution)
+    cell = next(c for c in notebook.cells if c.source.startswith(f"%%writefile workers/{CAPSTONE}/train.py"))
+    cell.source = f"%%writefile workers/{CAPSTONE}/train.py\n{script}"
+    path.parent.mkdir(parents=True)
+    nbformat.write(notebook, path)
+
+
+def test_a_half_converted_capstone_gets_step_by_step_feedback_in_jupyterlab(tmp_path):
+    """A learner's half-done job, run as they would run it: the check cell shows what the ranks
+    did and names the first thing that is wrong (the all-reduce per micro-batch), not the
+    evaluation that comes later, and not a traceback of the check's own code."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("no Chromium: apt-get install chromium chromium-driver (CI does)")
+    pytest.importorskip("playwright.sync_api")
+    from playwright.sync_api import sync_playwright
+
+    exercise = f"exercises/{CAPSTONE}.ipynb"
+    _half_converted_capstone(tmp_path / "course" / exercise)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with running_lab(tmp_path, [], {"SPIKE_COURSE_DATA": "synthetic"}) as (url, token), sync_playwright() as p:
+        browser, page = _run_all_cells(p, url, token, exercise)
+        feedback = page.locator(".jp-OutputArea-output:has-text('What your ranks did')")
+        try:
+            feedback.first.wait_for(state="attached", timeout=240_000)
+        finally:
+            (SHOTS / "capstone_half_converted.txt").write_text(page.locator(".jp-Notebook").inner_text())
+        feedback.first.evaluate("element => element.scrollIntoView({block: 'center'})")
+        page.screenshot(path=str(SHOTS / "capstone_half_converted.png"))
+        said = feedback.first.inner_text()
+        browser.close()
+    assert "2 times per optimizer step" in said and "(hint 2)" in said, said
+    assert "rank 1 (LOCAL_RANK 0), attempt 0" in said and "[2] all-reduce(s) per step" in said, said
+    assert "evaluat" not in said.split("What your ranks did")[0], said  # the later mistake waits its turn
+    assert "Traceback" not in said and "capstone.py" not in said, said

@@ -1,9 +1,10 @@
-"""The capstone's check passes on the solution and names each mistake planted in a copy of it.
+"""The capstone's check passes on the solution and on other correct conversions, and names
+each mistake planted in a copy of the solution.
 
 Each test takes the solution's train.py (the %%writefile cell of the solution notebook,
-without its solution markers), plants one classic mistake with a string replacement and
-asserts the check's message. A launch is a few seconds: the mistakes that show in the first
-run stop the check there; only set_epoch and resume need the second, crashing run.
+without its solution markers), plants one mistake with string replacements and asserts the
+check's message. The check runs the job as 2 nodes with a crash and a restart (about 15 s
+here), then a pretend GPU start (about 5 s): the GPU mistakes run only that second part.
 """
 
 from pathlib import Path
@@ -11,91 +12,198 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from spike_course import workers
-from spike_course.checks import CheckFailed, check_capstone_job, check_capstone_submit
+from spike_course import exercises, workers
+from spike_course.checks import CheckFailed, capstone, check_capstone_job, check_capstone_submit
 from spike_course.runai import submit_command, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "15_capstone_your_own_job"
 SOLUTION_NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
 SOLUTION = workers.worker_cells(SOLUTION_NOTEBOOK)[f"{STEM}/train.py"]
+SINGLE = workers.worker_cells(SOLUTION_NOTEBOOK)[f"{STEM}/single.py"]
 
 
-def plant(tmp_path, old, new):
-    assert old in SOLUTION, f"the solution no longer contains {old!r}: update this test"
+def plant(tmp_path, *changes):
+    source = SOLUTION
+    for old, new in changes:
+        assert old in source, f"the solution no longer contains {old!r}: update this test"
+        source = source.replace(old, new, 1)
     script = tmp_path / "train.py"
-    script.write_text(SOLUTION.replace(old, new, 1))
+    script.write_text(source)
     return script
 
 
-def test_the_solution_imports_nothing_from_the_course():
+def test_the_solution_imports_nothing_from_the_course_and_keeps_the_model():
     # That the check passes the solution is shown by the solution notebook's own check cell
-    # (nbval runs it): the same check on the same script, one torchrun pair of runs.
+    # (nbval runs it) and by the correct variants below.
     assert "spike_course" not in SOLUTION
+    assert f"class {capstone.capstone_run.MODEL_CLASS}(nn.Module)" in SINGLE
+    assert SINGLE[SINGLE.index("class "):SINGLE.index("def datasets")] in SOLUTION  # the replay's model
 
 
-def test_places_left_blank_are_named_before_any_rank_starts(tmp_path):
-    blank = 'raise NotImplementedError("exercise: replace this line with your code")'
-    script = plant(tmp_path, "train_sampler.set_epoch(epoch)  #", f"{blank}  #")
-    line = script.read_text().splitlines().index(f"    {blank}  # a new shuffle every epoch, the same one on every rank") + 1
-    with pytest.raises(CheckFailed, match=rf"lines \[{line}\] of your script still raise NotImplementedError"):
+def test_the_exercise_starts_as_the_one_gpu_script_and_is_named_before_any_rank_starts(tmp_path):
+    blank = exercises.make_exercise(SOLUTION_NOTEBOOK)
+    cell = next(c.source for c in blank.cells if c.source.startswith(f"%%writefile workers/{STEM}/train.py"))
+    script = tmp_path / "train.py"
+    script.write_text(cell.split("\n", 1)[1])
+    assert SINGLE.strip() in script.read_text()
+    with pytest.raises(CheckFailed, match="line 2 still raises NotImplementedError"):
         check_capstone_job(script, tmp_path)
     assert not (tmp_path / "capstone_check" / "calls").exists()  # no torchrun was started
 
 
+@pytest.mark.processes
+def test_the_unconverted_script_is_named(tmp_path, no_orphans):
+    script = tmp_path / "train.py"
+    script.write_text(SINGLE)
+    with pytest.raises(CheckFailed, match=r"never called init_process_group(.|\n)*What your ranks did"):
+        check_capstone_job(script, tmp_path)
+
+
+def test_an_import_of_the_course_is_named_before_any_rank_starts(tmp_path):
+    with pytest.raises(CheckFailed, match="imports spike_course"):
+        check_capstone_job(plant(tmp_path, ("import torch\n", "import torch\nimport spike_course\n")), tmp_path)
+
+
+# (name: changes to the solution, the message's words)
 MISTAKES = {
-    "set_epoch forgotten": ("    train_sampler.set_epoch(epoch)", "    pass", "same shuffle as epoch 1"),
-    "no sampler": ("sampler=train_sampler)", "shuffle=True)", "has no DistributedSampler"),
-    "sampler and shuffle=True": ("sampler=train_sampler)", "sampler=train_sampler, shuffle=True)",
-                                 "remove shuffle=True"),
-    "device_ids not a list": ("device_ids=[local_rank] if", "device_ids=local_rank if", "is not a list"),
-    "every rank saves": ("    if rank == 0:\n        state = {", "    if True:\n        state = {",
-                         "all called torch.save"),
-    "module. keys": ('"model": model.state_dict()', '"model": ddp_model.state_dict()', "start with 'module.'"),
-    "unaveraged metric": ("    dist.all_reduce(counts, op=dist.ReduceOp.SUM)\n", "", "rank 0's own shard"),
-    "padded test shards": ("Subset(test_set, range(rank, len(test_set), world_size)),",
-                           "test_set, sampler=DistributedSampler(test_set, shuffle=False),", "counts 202 samples"),
-    "non-atomic save": ('tmp = checkpoint.with_name(checkpoint.name + ".tmp")', "tmp = checkpoint",
-                        "wrote straight to the checkpoint"),
-    "no destroy_process_group": ("\ndist.destroy_process_group()", "\npass", "destroy_process_group() was not called"),
-    "no resume": ("if checkpoint.exists():", "if False:", "epochs evaluated"),
-    "imports spike_course": ("import torch\n", "import torch\nimport spike_course\n", "imports spike_course"),
+    "no sampler": ([("sampler=sampler, drop_last=True", "shuffle=True, drop_last=True")],
+                   "trained on the same samples"),
+    "sampler and shuffle": ([("sampler=sampler, drop_last=True", "sampler=sampler, shuffle=True")],
+                            "refused sampler= together with shuffle=True"),
+    "set_epoch forgotten": ([("        sampler.set_epoch(epoch)\n", "")], "same order as epoch 0"),
+    "global batch grows": ([("accumulation = args.batch_size // per_step",
+                             "accumulation = args.batch_size // args.micro_batch")],
+                           "grew with the number of ranks"),
+    "micro-batch grows": ([("batch_size=args.micro_batch, sampler", "batch_size=2 * args.micro_batch, sampler"),
+                           ("accumulation = args.batch_size // per_step", "accumulation = 1")],
+                          "took 16 samples, more than --micro-batch"),
+    "no no_sync": ([("contextlib.nullcontext() if last else ddp_model.no_sync()", "contextlib.nullcontext()")],
+                   "2 times per optimizer step"),
+    "the plain model trained": ([("F.cross_entropy(ddp_model(images), labels)", "F.cross_entropy(model(images), labels)")],
+                                "no gradient was all-reduced"),
+    "ranks start apart": ([("    torch.manual_seed(args.seed)\n", "    torch.manual_seed(args.seed + rank)\n"),
+                           ("if device.type == \"cuda\" else None)", "if device.type == \"cuda\" else None, init_sync=False)")],
+                          "other initial weights"),
+    "train mode dropped": ([("        ddp_model.train()\n", "")], "never put back in train mode"),
+    "schedule's horizon": ([("steps_per_epoch = len(train_loader) // accumulation",
+                             "steps_per_epoch = len(train_loader) // (args.batch_size // args.micro_batch)")],
+                           "cosine decays over 8 optimizer steps"),
+    # One process per node: every rank is LOCAL_RANK 0, so both read alike (the message names both).
+    "every rank writes": ([("if rank == 0:  # one log and one writer", "if True:  # one log and one writer")],
+                          "rank 1, LOCAL_RANK 0 of the second node, wrote checkpoint.pt.partial too"),
+    "one writer per node": ([("if rank == 0:  # one log and one writer",
+                              "if int(os.environ['LOCAL_RANK']) == 0:  # one log and one writer")],
+                            "rank 1, LOCAL_RANK 0 of the second node, wrote checkpoint.pt.partial too"),
+    "every rank prints": ([("step % args.log_every == 0 and rank == 0", "step % args.log_every == 0")],
+                          r"rank\(s\) \[1\] printed"),
+    "every rank logs metrics": ([("""            with open(args.metrics, "a") as log:
+                log.write(json.dumps({"epoch": epoch, "step": step, "test_loss": test_loss,
+                                      "test_accuracy": accuracy}) + "\\n")
+""", """        with open(args.metrics, "a") as log:
+            log.write(json.dumps({"epoch": epoch, "step": step, "test_loss": test_loss,
+                                  "test_accuracy": accuracy}) + "\\n")
+        if rank == 0:
+""")], "also appended to the metrics log"),
+    "module. keys": ([('"model": model.state_dict()', '"model": ddp_model.state_dict()')], "start with 'module.'"),
+    "written in place": ([('partial = checkpoint.with_name(checkpoint.name + ".partial")', "partial = checkpoint")],
+                         "wrote straight to the checkpoint's path"),
+    "copied, not renamed": ([("os.replace(partial, checkpoint)", "__import__('shutil').copyfile(partial, checkpoint)")],
+                            "without a rename"),
+    "no barrier": ([("        dist.barrier()  # nobody goes on", "        pass  # nobody goes on")],
+                   "while rank 0 was still writing"),
+    "whole test set everywhere": ([("DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=256",
+                                    "DataLoader(test_set, batch_size=256")],
+                                  "every rank evaluated the whole test set"),
+    "padded test shards": ([("DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=256",
+                             "DataLoader(test_set, sampler=DistributedSampler(test_set, shuffle=False), batch_size=256")],
+                           "evaluated on more than one rank"),
+    "metric not all-reduced": ([("    dist.all_reduce(totals)\n", "")], "rank 0's own part only"),
+    "no resume": ([("if checkpoint.exists():", "if False:")], "did not load checkpoint.pt"),
+    "no map_location": ([("torch.load(checkpoint, map_location=device)", "torch.load(checkpoint)")],
+                        "without map_location"),
+    "optimizer not restored": ([('        optimizer.load_state_dict(state["optimizer"])\n', "")],
+                               "optimizer started without its state"),
+    "scheduler not restored": ([('        scheduler.load_state_dict(state["scheduler"])\n', "")],
+                               "the schedule started over"),
+    "another order after the restart": ([("sampler.set_epoch(epoch)", "sampler.set_epoch(epoch + start_epoch)")],
+                                        "another order than before the crash"),
+    "no destroy_process_group": ([("    dist.destroy_process_group()\n", "")], "never called destroy_process_group"),
+}
+
+# Mistakes that only a GPU node shows: the check's pretend-GPU start names them.
+GPU_MISTAKES = {
+    "GPU from RANK": ([('device = torch.device("cuda", local_rank)', 'device = torch.device("cuda", rank)')],
+                      "torch.cuda.set_device got GPU 1"),
+    "device_ids from RANK": ([("device_ids=[device.index] if", "device_ids=[rank] if")], "DDP's device_ids got GPU 1"),
+    "gloo on GPUs": ([('dist.init_process_group("nccl", device_id=device)', 'dist.init_process_group("gloo")')],
+                     "still starts the gloo backend"),
+    "no set_device": ([("        torch.cuda.set_device(device)  #", "        pass  #")], "never called torch.cuda.set_device"),
+    "device_ids not a list": ([("device_ids=[device.index] if", "device_ids=device.index if")], "is not a list"),
 }
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_each_mistake_is_named(tmp_path, name, no_orphans):
-    old, new, message = MISTAKES[name]
-    with pytest.raises(CheckFailed, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_capstone_job(plant(tmp_path, old, new), tmp_path)
+    changes, message = MISTAKES[name]
+    with pytest.raises(CheckFailed, match=message):
+        check_capstone_job(plant(tmp_path, *changes), tmp_path)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("name", sorted(GPU_MISTAKES))
+def test_each_gpu_mistake_is_named_on_pretend_gpus(tmp_path, name, no_orphans):
+    changes, message = GPU_MISTAKES[name]
+    folder = tmp_path / "capstone_check"
+    folder.mkdir()
+    capstone._write_data(folder / "data.pt")
+    options = capstone._options(folder / "data.pt", folder / "checkpoint.pt", folder / "metrics.jsonl")
+    job = capstone.capstone_run.launch(plant(tmp_path, *changes), folder, options, data=folder / "data.pt",
+                                       probe_env={"CAPSTONE_FAKE_GPUS": "1"})
+    with pytest.raises(CheckFailed, match=message):
+        capstone._gpu_choices(job)
+
+
+# Correct answers that choose differently from the solution: the replay follows them.
+VARIANTS = {
+    "its own sampler seed": [("seed=args.seed,", "seed=args.seed + 1234,")],
+    "epochs numbered from 1": [("    start_epoch = 0\n", "    start_epoch = 1\n"),
+                               ("    step = start_epoch * steps_per_epoch", "    step = (start_epoch - 1) * steps_per_epoch"),
+                               ("for epoch in range(start_epoch, args.epochs):",
+                                "for epoch in range(start_epoch, args.epochs + 1):")],
+}
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_other_correct_answers_pass(tmp_path, name, capsys, no_orphans):
+    check_capstone_job(plant(tmp_path, *VARIANTS[name]), tmp_path)
+    assert "check passed" in capsys.readouterr().out
 
 
 @pytest.mark.processes
 def test_a_hanging_rank_is_stopped_with_a_clear_message(tmp_path, monkeypatch, no_orphans):
-    from spike_course.checks import capstone
-
     # Rank 1 never reaches DDP's first broadcast (as if stuck elsewhere); rank 0 waits in it.
-    # The ranks get there about 6 s after torchrun starts here; 15 s leaves room on a slower machine.
-    monkeypatch.setattr(capstone, "LAUNCH_TIMEOUT", 15)
-    script = plant(tmp_path, "ddp_model = DDP(",
-                   "if rank == 1:\n    __import__('time').sleep(600)\nddp_model = DDP(")
-    with pytest.raises(CheckFailed, match="more than 15 s"):
+    monkeypatch.setattr(capstone.capstone_run, "LAUNCH_TIMEOUT", 12)
+    script = plant(tmp_path, ("    ddp_model = DDP(", "    if rank == 1:\n        __import__('time').sleep(600)\n    ddp_model = DDP("))
+    with pytest.raises(CheckFailed, match="more than 12 s"):
         check_capstone_job(script, tmp_path)
 
 
 IMAGE = "harbor.spike.tue.nl/aiteam/pretrainingcontainer:latest"
 
 
-def line(**changes):
+def line(image=IMAGE, **changes):
     settings = dict(command="cd /data/course; " + torchrun_command("train.py", "--checkpoint",
                                                                    "/data/ckpt/c.pt", nproc_per_node=8),
-                    gpus=8, workers=1, pvc="aiteam", cpu=7, memory="64G")  # + the master pod
+                    gpus=8, workers=1, pvc="aiteam", cpu=7, memory="64Gi",  # + the master pod
+                    env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": 1})
     settings.update(changes)
-    return submit_command("mnist-capstone", IMAGE, "aiteam", **settings)
+    return submit_command("digits-capstone", image, "aiteam", **settings)
 
 
-@pytest.mark.parametrize("pods", [dict(), dict(workers=2, extra=["--no-master"])])
+@pytest.mark.parametrize("pods", [dict(), dict(workers=2, extra=["--no-master"]), dict(memory="64G")])
 def test_the_right_runai_line_passes(capsys, pods):
     check_capstone_submit(line(**pods))
     assert "check passed" in capsys.readouterr().out
@@ -112,6 +220,10 @@ def test_the_right_runai_line_passes(capsys, pods):
     (dict(command="cd /data/course; torchrun --nnodes=2 --nproc-per-node=8 train.py"), "PET_"),
     (dict(command="cd /data/course; torchrun --nproc-per-node=1 train.py"), "one process per GPU"),
     (dict(command="cd /data/course; torchrun --nproc-per-node=8 other.py"), "does not run train.py"),
+    (dict(image="pretrainingcontainer:latest"), "names no registry"),
+    (dict(image="aiteam/pretrainingcontainer:latest"), "names no registry"),
+    (dict(memory="64"), "without a unit counts bytes"),
+    (dict(env=None), "its own rendezvous store"),
     (dict(pvc=None), "mount the team's volume"),
 ])
 def test_runai_mistakes_are_named(changes, message):

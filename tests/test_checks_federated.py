@@ -1,5 +1,14 @@
-"""checks.check_fedavg (chapter 09) passes the right aggregate and names the usual mistakes."""
+"""checks.check_fedavg (chapter 09): FedAvg over the sites that took part in a round, with one
+collective. The check passes the right aggregate and names each classic mistake.
 
+Reports built by hand test the messages; then every mistake a learner is likely to make is
+planted in a copy of the solution's worker and run on 3 ranks (one launch per mistake, 2-4
+seconds each): the lecture's fedavg_ as it is, the absent site's NaN multiplied by a zero
+weight, the weights not renormalised over the sites present, the absent sites left with their
+old parameters, the samples in a second message, and the blank exercise."""
+
+import math
+import re
 from pathlib import Path
 
 import nbformat
@@ -7,49 +16,93 @@ import pytest
 import torch
 
 import spike_course
-from spike_course import checks
-from spike_course.checks import CheckFailed
+from spike_course import exercises
+from spike_course.checks import CheckFailed, check_fedavg
+from spike_course.checks.federated import U32, _combine
+from planting import planted, written_file
 
 ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = nbformat.read(ROOT / "solutions" / "09_federated_learning.ipynb", as_version=4)
+WORKER = written_file(NOTEBOOK, "09_federated_learning/fedavg_exercise.py")
 
-# --- chapter 09: FedAvg aggregation ---
+# --- reports built by hand: three sites, one round in which site 1 sat out ---
 
-SAMPLES = [300, 100]
+SAMPLES = [300, 100, 200]
+PRESENT = [True, False, True]
 BEFORE = [{"w": torch.tensor([1.0, 2.0, -3.0]), "b": torch.tensor([0.5])},
-          {"w": torch.tensor([5.0, -2.0, 1.0]), "b": torch.tensor([-1.5])}]
+          {"w": torch.tensor([5.0, -2.0, 1.0]), "b": torch.tensor([-1.5])},
+          {"w": torch.tensor([-1.0, 4.0, 2.0]), "b": torch.tensor([2.5])}]
 
 
 def combine(weights):
-    return {k: sum(w * s[k] for w, s in zip(weights, BEFORE)) for k in BEFORE[0]}
+    """The sites' parameters combined with these weights, as float32 rounds the exact value."""
+    return {k: sum(w * s[k].double() for w, s in zip(weights, BEFORE) if w).float() for k in BEFORE[0]}
 
 
-RIGHT = combine([0.75, 0.25])
+RIGHT = combine([0.6, 0, 0.4])  # 300 / 500 and 200 / 500
 
 
-def test_right_fedavg_passes(capsys):
-    checks.check_fedavg(BEFORE, SAMPLES, [RIGHT, RIGHT])
+def reports(after, before=BEFORE, present=PRESENT, collectives=(1, 1, 1)):
+    return {k: {"rounds": [{"before": before[k], "after": after[k], "samples": SAMPLES[k],
+                            "took_part": present[k], "collectives": collectives[k]}]} for k in range(3)}
+
+
+def test_the_right_aggregate_passes(capsys):
+    check_fedavg(reports([RIGHT] * 3))
     assert "check passed" in capsys.readouterr().out
 
 
+def test_the_tolerance_is_the_float32_bound():
+    """One unit in the last place of float32 on a sum of three terms passes; a change well beyond
+    gamma_5 (5 roundings for 3 ranks) of the terms' magnitude fails."""
+    value, bound = _combine(BEFORE, [0.6, 0, 0.4])
+    assert bound["w"][0].item() == pytest.approx(5 * U32 / (1 - 5 * U32) * (0.6 * 1 + 0.4 * 1))
+    nudged = {k: torch.nextafter(v.float(), torch.tensor(math.inf)) for k, v in RIGHT.items()}
+    check_fedavg(reports([nudged] * 3))
+    off = {k: v * (1 + 1e-5) for k, v in RIGHT.items()}
+    with pytest.raises(CheckFailed, match="neither the mean"):
+        check_fedavg(reports([off] * 3))
+
+
+NAN = {k: torch.full_like(v, math.nan) for k, v in BEFORE[1].items()}
+
+
 @pytest.mark.parametrize("after, message", [
-    ([combine([0.5, 0.5])] * 2, "unweighted mean"),
-    ([combine([300, 100])] * 2, "not divided by the total"),
-    ([combine([1, 1])] * 2, "plain sum"),
-    ([combine([150, 50])] * 2, "number of ranks"),
-    ([combine([0.375, 0.125])] * 2, "N times too small"),
-    (BEFORE, "did not change"),
-    ([{k: v * 0.75 for k, v in BEFORE[0].items()}, {k: v * 0.25 for k, v in BEFORE[1].items()}],
-     "all-reduce\\s+that adds them up is missing"),
-    ([RIGHT, BEFORE[1]], "use all_reduce"),
-    ([{"w": RIGHT["w"]}] * 2, "lack \\['b'\\]"),
+    ([combine([0.5, 1 / 6, 1 / 3])] * 3, r"averaged in all the same"),
+    ([combine([0.5, 0, 1 / 3])] * 3, r"share of ALL sites' samples.*add up to 0\.83"),
+    ([combine([0.5, 0, 0.5])] * 3, r"unweighted mean"),
+    ([combine([300, 0, 200])] * 3, r"not divided"),
+    ([combine([0.6, 0, 0]), BEFORE[1], combine([0, 0, 0.4])], r"never added up"),
+    ([RIGHT, BEFORE[1], RIGHT], r"site\(s\) \[1\], which sat out, still hold their own"),
+    (BEFORE, r"no rank's parameters changed"),
+    ([RIGHT, RIGHT, BEFORE[2]], r"rank\(s\) \[2\] do not"),
+    ([{"w": RIGHT["w"]}] * 3, r"\['b'\] are missing"),
 ])
-def test_wrong_fedavg_is_named(after, message):
-    with pytest.raises(CheckFailed, match=message):
-        checks.check_fedavg(BEFORE, SAMPLES, after)
+def test_a_wrong_aggregate_is_named(after, message):
+    with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
+        check_fedavg(reports(after))
 
 
-SOLUTION_WORKER = "workers/09_federated_learning/fedavg_exercise.py"
-PER_TENSOR = """\
+def test_nan_of_an_absent_site_in_the_result_is_named():
+    before = [BEFORE[0], NAN, BEFORE[2]]
+    check_fedavg(reports([RIGHT] * 3, before=before))
+    poisoned = [{k: v * math.nan for k, v in RIGHT.items()}] * 3
+    with pytest.raises(CheckFailed, match=r"Site\(s\) \[1\] sat out with non-finite.*0 \* NaN is NaN"):
+        check_fedavg(reports(poisoned, before=before))
+    with pytest.raises(CheckFailed, match=r"although no site's parameters did"):
+        check_fedavg(reports(poisoned))
+
+
+def test_more_than_one_collective_is_named():
+    with pytest.raises(CheckFailed, match=r"a call made 2 collectives, the samples present and the parameters"):
+        check_fedavg(reports([RIGHT] * 3, collectives=(2, 2, 2)))
+    with pytest.raises(CheckFailed, match=r"a call made 3 collectives: one per parameter tensor \(2\)"):
+        check_fedavg(reports([RIGHT] * 3, collectives=(3, 3, 3)))
+
+
+# --- mistakes planted in a copy of the solution's worker, run on 3 ranks ---
+
+LECTURE = """\
     device = next(model.parameters()).device
     total = torch.tensor([float(num_samples)], device=device)
     dist.all_reduce(total)
@@ -57,22 +110,51 @@ PER_TENSOR = """\
         for p in model.parameters():
             p.mul_(num_samples / total.item())
             dist.all_reduce(p)
+    return
 """
+MISTAKES = {
+    "blank": (None, r"fedavg_ is not written yet"),
+    "the_lecture_s_fedavg": ([("    from torch.nn.utils", LECTURE + "    from torch.nn.utils")],
+                             r"after round 2 .*averaged in all the same"),
+    "absent_site_times_zero": ([("        message = flat.new_zeros(len(flat) + 1)",
+                                 "        message = torch.cat([flat * 0, flat.new_tensor([0])])")],
+                               r"after round 3 .*0 \* NaN is NaN"),
+    "weights_not_renormalised": ([("        message = flat.new_zeros(len(flat) + 1)",
+                                   "        message = torch.cat([flat.new_zeros(len(flat)), "
+                                   "flat.new_tensor([num_samples])])")],
+                                 r"after round 2 .*share of ALL sites' samples"),
+    "absent_sites_keep_their_own": ([("    vector_to_parameters(", "    if took_part:\n"
+                                                                   "        vector_to_parameters(")],
+                                    r"after round 2 .*which sat out, still hold their own"),
+    "samples_in_a_second_message": ([("    dist.all_reduce(message)",
+                                      "    total = message[-1:].clone()\n"
+                                      "    dist.all_reduce(total)  # the samples present, on their own\n"
+                                      "    dist.all_reduce(message)")],
+                                    r"a call made 2 collectives, the samples present and the parameters in separate"),
+}
+
+
+def run(worker, source):
+    return spike_course.launch(worker(source, "fedavg_exercise.py"), nproc=3, echo=False, progress=False,
+                               timeout=120, check=False)
 
 
 @pytest.mark.processes
-def test_one_allreduce_per_tensor_is_named(worker, no_orphans):
-    """The lecture's version, planted in a copy of the solution's worker: right values, nine
-    collectives (one for the counts, one per parameter tensor of the CNN)."""
-    notebook = nbformat.read(ROOT / "solutions" / "09_federated_learning.ipynb", as_version=4)
-    cell = next(c.source for c in notebook.cells if c.source.startswith(f"%%writefile {SOLUTION_WORKER}"))
-    solution = cell.split("\n", 1)[1]
-    begin, end = solution.index("    ### BEGIN SOLUTION\n"), solution.index("    ### END SOLUTION\n")
-    planted = solution[:begin] + PER_TENSOR + solution[end + len("    ### END SOLUTION\n"):]
-    result = spike_course.launch(worker(planted), nproc=2, echo=False, progress=False, timeout=120)
-    ranks = [result.reports[r] for r in range(2)]
-    assert [r["collectives"] for r in ranks] == [9, 9]
-    with pytest.raises(CheckFailed, match="one all-reduce per tensor"):
-        checks.check_fedavg([r["before"] for r in ranks], [r["samples"] for r in ranks],
-                            [r["after"] for r in ranks], collectives=[r["collectives"] for r in ranks])
-    checks.check_fedavg(BEFORE, SAMPLES, [RIGHT, RIGHT], collectives=[2, 2])  # two pass
+def test_the_solution_passes(worker, no_orphans, capsys):
+    job = run(worker, WORKER)
+    assert job.ok
+    assert [site["collectives"] for site in job.reports[0]["rounds"]] == [1, 1, 1]
+    check_fedavg(job)
+    assert "after each of 3 rounds all 3 sites hold the mean over the sites present" in capsys.readouterr().out
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
+    changes, message = MISTAKES[mistake]
+    source = exercises.blank_source(WORKER) if changes is None else planted(WORKER, *changes)
+    job = run(worker, source)
+    if mistake == "the_lecture_s_fedavg":  # 1 + one all-reduce per tensor of the transformer
+        assert [site["collectives"] for site in job.reports[0]["rounds"]] == [23, 23, 23]
+    with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
+        check_fedavg(job)

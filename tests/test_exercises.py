@@ -157,6 +157,29 @@ def test_a_notebook_that_was_run_is_kept_too(tmp_path):
     assert done[path].startswith("kept: it holds your work (cell 2 run)") and path.read_text() == run
 
 
+def test_what_counts_as_an_answer_in_a_cell():
+    """Text at a blank is the learner's, stub or no stub; an older blank is not: the course may
+    rewrite it. In a cell that starts as a given script, a change to that script is an answer."""
+    blank = nbformat.v4.new_code_cell(f"x = 1\n# YOUR CODE HERE\n{exercises.STUB}\nprint(x)")
+    typed_above = f"x = 1\n# YOUR CODE HERE\ny = x + 1  # mine\n{exercises.STUB}\nprint(x)"
+    older_blank = f"x = 2\n# YOUR CODE HERE\n{exercises.STUB}\nprint(x)"  # the course changed x since
+    assert exercises.answered(nbformat.v4.new_code_cell(typed_above), blank)
+    assert exercises.answered(nbformat.v4.new_code_cell("x = 1\ny = 2\nprint(x)"), blank)
+    assert not exercises.answered(nbformat.v4.new_code_cell(older_blank), blank)
+    assert not exercises.answered(nbformat.v4.new_code_cell(blank.source), blank)
+
+    solution = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("%%writefile workers/99_x/single.py\nprint('one gpu')"),
+        nbformat.v4.new_code_cell("%%writefile workers/99_x/train.py\n"
+                                  "### BEGIN SOLUTION (starts as workers/99_x/single.py)\n"
+                                  "print('a job')\n### END SOLUTION")])
+    starter = exercises.make_exercise(solution).cells[1]
+    assert starter.source == f"%%writefile workers/99_x/train.py\n# YOUR CODE HERE\n{exercises.STUB}\nprint('one gpu')"
+    begun = starter.source.replace("print('one gpu')", "print('one gpu, soon a job')")
+    assert exercises.answered(nbformat.v4.new_code_cell(begun), starter)
+    assert not exercises.answered(nbformat.v4.new_code_cell(starter.source), starter)
+
+
 def test_course_drift_is_told_from_a_learners_work(tmp_path):
     root, path = _course(tmp_path)
     _answer(path)

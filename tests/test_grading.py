@@ -31,7 +31,7 @@ def learner(answer="    return 42", **edits):
     cell index to new source, and ``added`` adds a cell at the end."""
     notebook = exercises.make_exercise(solution(), "99_probe")
     blank = notebook.cells[1].source
-    notebook.cells[1].source = grading._BLANK.sub(answer.replace("\\", r"\\"), blank)
+    notebook.cells[1].source = exercises.BLANK_LINES.sub(answer.replace("\\", r"\\"), blank)
     for index, source in edits.items():
         if index == "added":
             notebook.cells.append(nbformat.v4.new_code_cell(source))
@@ -88,11 +88,17 @@ def test_the_answer_regions_of_every_course_exercise_come_back_whole():
         blank = exercises.make_exercise(sol, path.name)
         for index, cell in enumerate(blank.cells):
             if exercises.has_solution(sol.cells[index]):
-                regions = [r for r in exercises.re.findall(r"### BEGIN SOLUTION\n(.*?)[ \t]*### END SOLUTION",
+                regions = [r for r in exercises.re.findall(r"### BEGIN SOLUTION[^\n]*\n(.*?)[ \t]*### END SOLUTION",
                                                            sol.cells[index].source, exercises.re.S)]
-                filled = grading._BLANK.sub(lambda m, it=iter(regions): next(it).rstrip("\n").replace("\\", "\\\\"),
-                                            cell.source)
-                assert grading.answers_in(cell.source, filled) is not None, (path.name, index)
+                whole_script = exercises.starts_as(sol.cells[index].source) is not None
+                if whole_script:  # the given script after the stub is the learner's too
+                    filled = cell.source.split(exercises.STUB)[0].rsplit("# YOUR CODE HERE", 1)[0] + regions[0]
+                else:
+                    filled = exercises.BLANK_LINES.sub(lambda m, it=iter(regions): next(it).rstrip("\n"),
+                                                cell.source)
+                answers = exercises.answers_in(cell.source, filled, whole_script)
+                assert answers is not None, (path.name, index)
+                assert [exercises.lines_as_read(a).strip() for a in answers] == [exercises.lines_as_read(r).strip() for r in regions], (path.name, index)
 
 
 @pytest.mark.processes

@@ -8,7 +8,8 @@ A line is compared after normalising what a copy would change: comments and spac
 strings become S, and the names the answer chose (its variables, parameters, functions)
 become _. What a copy keeps stays: the APIs (attributes, keyword arguments, the usual module
 names). Trivial lines do not count: short ones, block headers (``for ...:``, ``with ...:``)
-and a bare method call (``loss.backward()``). An exercise is the cells between one
+and a bare method call (``loss.backward()``). An answer that starts as a given script (the
+capstone's) counts only the lines the learner changes or adds. An exercise is the cells between one
 ``## Exercise`` heading and the next (a notebook without such headings: each answer cell).
 
 The line measure cannot see a statement that dictates the algorithm in words or formulas:
@@ -28,18 +29,20 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from spike_course import exercises
+
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 0.20
-REGION = re.compile(r"^[ \t]*### BEGIN SOLUTION\n(.*?)^[ \t]*### END SOLUTION", re.S | re.M)
+REGION = re.compile(r"^[ \t]*### BEGIN SOLUTION[^\n]*\n(.*?)^[ \t]*### END SOLUTION", re.S | re.M)
+STARTS_AS = re.compile(r"### BEGIN SOLUTION \(starts as (\S+)\)")
 KEPT_NAMES = set(keyword.kwlist) | set(dir(builtins)) | {
     "torch", "dist", "nn", "F", "math", "np", "os", "sys", "time", "random", "runtime", "costmodel",
     "checks", "spike_course", "dcp", "functools", "itertools"}
 # Exercises over the limit today, with the share measured when they were listed (issue 27).
 KNOWN_OVER = {
-    "06_fully_sharded_data_parallel, exercise 2": 0.67,   # the DCP calls of chapter 04, listed again
-    "09_federated_learning, exercise 1": 0.57,            # the lecture's FedAvg, flattened
     "12_context_and_expert_parallel, exercise 2": 0.26,   # the lecture's all-to-all idioms (argsort, counts)
-    "15_capstone_your_own_job, exercise 1": 0.62,         # the slotted capstone (issue 28)
+    "15_capstone_your_own_job, exercise 1": 0.56,         # the API calls of 15.1-15.6: the decisions are where
+                                                          # they go in an unmarked script, and what else changes
     "03_data_parallel, exercise 2": 0.22,                 # rank, world size and the all-reduce of the lecture
 }
 
@@ -102,8 +105,10 @@ def exercises_of(notebook, stem) -> dict[str, list[str]]:
         if not headed:
             count += 1
             current = f"{stem}, exercise {count}"
+        starts = STARTS_AS.search(cell.source)
+        given = set(normalised_lines(exercises.written_files(notebook)[starts.group(1)])) if starts else set()
         lines = [line for region in regions for line in normalised_lines(textwrap.dedent(region))]
-        answers.setdefault(current, []).extend(line for line in lines if not trivial(line))
+        answers.setdefault(current, []).extend(line for line in lines if not trivial(line) and line not in given)
     return answers
 
 

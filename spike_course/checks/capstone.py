@@ -1,12 +1,28 @@
-"""Exercise checks for the capstone: the learner's own MNIST script as a torchrun job.
+"""Exercise checks for the capstone: a group's one-GPU script, converted by the learner into
+a torchrun job that needs nothing but torch.
 
-:func:`check_capstone_job` runs the learner's file the way a cluster does, under bare
-``python -m torch.distributed.run --standalone --nproc-per-node=2`` in a Python where
-``spike_course`` cannot be imported, and compares what it leaves behind (its checkpoint
-and the accuracies rank 0 appends to a metrics file) with a private single-process
-reference. A ``sitecustomize`` on the ranks' ``PYTHONPATH`` records a few calls
-(``torch.save`` and who made it, the loaders' samplers, ``set_epoch``,
-``destroy_process_group``) so that a wrong answer can be named, not just detected.
+:func:`check_capstone_job` runs the learner's file as a cluster would: under bare torchrun,
+as two nodes of one rank each (so RANK and LOCAL_RANK differ on the second), in a Python
+where ``spike_course`` cannot be imported (``capstone_run``). Rank 1 is crashed once in the
+second epoch and torchrun restarts the job, which must resume. The ranks record what they
+did (``capstone_probe``), and the check judges that behaviour step by step, in the order a
+conversion is done, stopping at the first thing that is wrong:
+
+1. every rank joined the process group, and the job ran (a hang, a traceback);
+2. each rank trained on its own part of the data, with the global batch of ``--batch-size``
+   whatever the number of ranks, micro-batches no larger than ``--micro-batch``, the same
+   initial weights, train mode, one all-reduce per optimizer step, and the schedule of the
+   one-GPU script;
+3. one writer: only rank 0 saves, logs and prints;
+4. the checkpoint: plain keys, written atomically, waited for by the other ranks;
+5. the evaluation counts each test sample once, and reports the accuracy of the weights;
+6. the restart resumes exactly: the checkpoint read with ``map_location``, the optimizer and
+   the scheduler restored, a new shuffle every epoch, the same data order as before the crash;
+7. the weights equal a replay of DDP's arithmetic on the batches the ranks recorded, bit for
+   bit (so a correct answer with its own seed or epoch numbering passes: the replay follows it);
+8. on nodes with a GPU (pretended: the probe records the choices and stops at DDP), NCCL and
+   the GPU of LOCAL_RANK, in set_device, the model's placement and DDP's device_ids.
+
 :func:`check_capstone_submit` checks the ``runai training pytorch submit`` line.
 """
 
@@ -14,75 +30,56 @@ from __future__ import annotations
 
 import ast
 import json
-import os
+import math
+import re
 import shlex
-import subprocess
-import sys
+from collections import Counter
 from pathlib import Path
 
-from ..cluster_image import import_blocker
+from ..exercises import STUB
+from . import capstone_run
 from ._common import CheckFailed, passed
 
-# Small enough for a few seconds per launch on 2 CPU cores. TEST_SAMPLES is odd on purpose:
-# a DistributedSampler pads 201 samples to 2 x 101, so a metric over padded shards counts
-# one sample twice and shows up as a different fraction.
-TRAIN_SAMPLES, TEST_SAMPLES, BATCH, WORLD, SEED = 256, 201, 16, 2, 1
-STEPS_PER_EPOCH = TRAIN_SAMPLES // (BATCH * WORLD)
-LR, GAMMA = 1.0, 0.7
-LAUNCH_TIMEOUT = 180  # seconds per torchrun; gloo would wait 30 minutes in a broken collective
-
-# Loaded by every Python the capstone check starts: blocks spike_course, records calls.
-SITECUSTOMIZE = import_blocker(
-    ["spike_course"], "is not installed on the cluster: the capstone script must not import "
-    "spike_course (copy what you need into the script)") + '''
-import json
-import os
-
-if "RANK" in os.environ:  # a worker, not torchrun's agent
-    import torch
-    import torch.distributed
-    # Before the script's init_process_group, as runtime.setup does (see there): imported
-    # later, it keeps the group alive past destroy_process_group and exits can abort.
-    import torch.distributed.nn
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    LOG = os.path.join(os.environ["CAPSTONE_CHECK_LOG"], f"calls_{os.getpid()}.jsonl")
-    WHO = {"rank": int(os.environ["RANK"]),
-           "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
-
-    def record(**event):
-        with open(LOG, "a") as out:
-            out.write(json.dumps({**WHO, **event}) + "\\n")
-
-    def wrap(owner, name, describe):
-        original = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            try:
-                record(call=name, **describe(*args, **kwargs))
-            except Exception:  # recording must never break the learner's program
-                pass
-            return original(*args, **kwargs)
-
-        setattr(owner, name, wrapper)
-
-    wrap(torch, "save", lambda obj, f, *a, **k: {"path": os.path.abspath(os.fspath(f))
-                                                 if isinstance(f, (str, os.PathLike)) else None})
-    wrap(DataLoader, "__init__", lambda self, dataset, *a, **k: {
-        "size": len(dataset), "sampler": type(k.get("sampler")).__name__
-        if k.get("sampler") is not None else None})
-    wrap(DistributedSampler, "set_epoch", lambda self, epoch: {"epoch": epoch})
-    wrap(torch.distributed, "destroy_process_group", lambda *a, **k: {})
-'''
+# The job the check runs: small enough for seconds on 2 CPU cores. TEST_SAMPLES is odd: a
+# DistributedSampler pads 201 samples to 2 x 101, so padded shards count a sample twice.
+TRAIN_SAMPLES, TEST_SAMPLES, WORLD = 256, 201, capstone_run.NODES
+GLOBAL_BATCH, MICRO_BATCH, EPOCHS = 32, 8, 2
+STEPS_PER_EPOCH = TRAIN_SAMPLES // GLOBAL_BATCH
+LR, WEIGHT_DECAY, WARMUP_STEPS, CLIP, SEED = 2e-3, 0.05, 4, 1.0, 0
+CRASH_RANK, CRASH_AFTER = 1, STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2  # in epoch 1, after epoch 0's save
+SAVE_DELAY = 0.5  # rank 0 lingers in torch.save this long: a rank that goes on did not wait
 
 
-# --- the private reference -------------------------------------------------------------
+def _options(data, checkpoint, metrics):
+    return ["--data", data, "--epochs", EPOCHS, "--batch-size", GLOBAL_BATCH, "--micro-batch", MICRO_BATCH,
+            "--lr", LR, "--weight-decay", WEIGHT_DECAY, "--warmup-steps", WARMUP_STEPS, "--clip", CLIP,
+            "--seed", SEED, "--workers", 0, "--log-every", 4, "--checkpoint", checkpoint,
+            "--metrics", metrics]
 
 
-def _datasets(path):
+# --- the one-GPU script's model, data and schedule, for the replay -------------------------------
+
+
+def _model():
+    import torch.nn as nn
+
+    class DigitClassifier(nn.Module):  # single.py's model
+        def __init__(self, hidden=128):
+            super().__init__()
+            self.layers = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, hidden), nn.GELU(),
+                                        nn.LayerNorm(hidden), nn.Linear(hidden, 10))
+
+        def forward(self, images):
+            return self.layers(images)
+
+    return DigitClassifier()
+
+
+def _tensors(data_path):
+    """((train images, labels), (test images, labels)), normalised as single.py does."""
     import torch
 
-    saved = torch.load(path)
+    saved = torch.load(data_path)
 
     def normalised(images, labels):
         return ((images.float() / 255 - 0.1307) / 0.3081).unsqueeze(1), labels
@@ -90,357 +87,624 @@ def _datasets(path):
     return normalised(*saved["train"]), normalised(*saved["test"])
 
 
-def _reference(data_path, epochs, set_epoch=True):
-    """The 2-rank DDP run in one process: per step, each rank's batch's gradient, averaged.
-
-    It does the ranks' arithmetic exactly: the same batches of BATCH samples through the
-    same kernels (one thread here as on the ranks), then g0/2 + g1/2, which is what DDP
-    computes (it divides each rank's gradient by the world size and sums the two: for two
-    ranks that sum is the same in either order, and halving is exact).
-    """
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.data import DistributedSampler
-
-    from ..models import Net
-
-    (x, y), _ = _datasets(data_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(SEED)
-        model = Net(dropout=False)
-        optimizer = torch.optim.Adadelta(model.parameters(), lr=LR)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
-        samplers = [DistributedSampler(range(len(y)), num_replicas=WORLD, rank=r, shuffle=True)
-                    for r in range(WORLD)]
-        for epoch in range(1, epochs + 1):
-            orders = []
-            for sampler in samplers:
-                sampler.set_epoch(epoch if set_epoch else 0)
-                orders.append(list(sampler))
-            for step in range(STEPS_PER_EPOCH):
-                grads = []
-                for order in orders:
-                    batch = order[step * BATCH:(step + 1) * BATCH]
-                    model.zero_grad()
-                    F.nll_loss(model(x[batch]), y[batch]).backward()
-                    grads.append([p.grad / WORLD for p in model.parameters()])
-                for p, *rank_grads in zip(model.parameters(), *grads):
-                    p.grad = sum(rank_grads[1:], rank_grads[0])
-                optimizer.step()
-            scheduler.step()
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
-    finally:
-        torch.set_num_threads(threads)
+def _learning_rate(step, total_steps=EPOCHS * STEPS_PER_EPOCH):
+    """single.py's warm-up and cosine at optimizer step ``step`` (from 0)."""
+    if step < WARMUP_STEPS:
+        return LR * (step + 1) / WARMUP_STEPS
+    progress = (step - WARMUP_STEPS) / max(1, total_steps - WARMUP_STEPS)
+    return LR * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _test_counts(weights, data_path):
-    """(correct, ambiguous, rank-0-only correct) of ``weights`` over the test set; a sample is
-    ambiguous when its two best log-probabilities lie so close that another batch size's
-    rounding could swap them."""
-    import torch
-
-    from ..models import Net
-
-    _, (x, y) = _datasets(data_path)
-    model = Net(dropout=False)
-    model.load_state_dict(weights)
-    model.eval()
-    with torch.no_grad():
-        logp = model(x)
-    top2 = logp.topk(2, dim=1).values
-    hit = logp.argmax(dim=1) == y
-    ambiguous = int((top2[:, 0] - top2[:, 1] < 1e-4).sum())
-    return int(hit.sum()), ambiguous, hit
-
-
-# --- running the learner's script ------------------------------------------------------
-
-
-def _launch(script, folder, args, max_restarts=0):
-    """torchrun 2 ranks of ``script`` in ``folder``; return (exit code, output, call log)."""
-    from ..launcher import stop_process_tree
-
-    folder = Path(folder)
-    log_dir = folder / "calls"
-    log_dir.mkdir(exist_ok=True)
-    for old in log_dir.glob("*.jsonl"):
-        old.unlink()
-    (folder / "site").mkdir(exist_ok=True)
-    (folder / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPIKE_COURSE_", "PET_"))}
-    # One thread per rank, as the reference uses: the same kernels give the same floats.
-    # CUDA hidden: the comparison is exact on the CPU (gloo); the lecture shows the GPU run.
-    # A restarted round gets its own store (chapter 07: pytorch issues 135712 and 167288).
-    env.update(PYTHONPATH=str(folder / "site"), CAPSTONE_CHECK_LOG=str(log_dir), OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={WORLD}", f"--max-restarts={max_restarts}",
-               str(Path(script).resolve()), *[str(a) for a in args]]
-    # torchrun puts its workers in their own session: stop the whole tree on a timeout.
-    proc = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        stop_process_tree([proc])
-        raise CheckFailed(f"your script ran for more than {LAUNCH_TIMEOUT} s on {TRAIN_SAMPLES} "
-                          "samples and was stopped: a rank is most likely waiting in a collective "
-                          "(all_reduce, barrier) that another rank never reaches, e.g. one inside "
-                          "`if rank == 0:`.") from None
-    calls = []
-    for path in sorted(log_dir.glob("*.jsonl")):
-        calls += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return proc.returncode, output, calls
-
-
-def _explain_failure(output):
-    # The ranks' tracebacks come first; torchrun's own (ChildFailedError) and summary follow.
-    start = output.find("Traceback (most recent call last)")
-    lines = output[start:].splitlines() if start >= 0 else output.strip().splitlines()[-25:]
-    tail = "\n".join(lines[:30])
-    if "mutually exclusive with shuffle" in output:
-        return ("DataLoader refused sampler= together with shuffle=True: the DistributedSampler "
-                "shuffles (differently every epoch, once you call set_epoch), so remove shuffle=True "
-                "from the training loader.")
-    if "spike_course is not installed on the cluster" in output:
-        return "your script imports spike_course, which the cluster does not have: use torch only."
-    if "NotImplementedError" in output:
-        return "some marked places still raise NotImplementedError: fill them in."
-    if "KeyError: 'LOCAL_RANK'" in output or "KeyError: 'RANK'" in output:
-        return "read RANK, LOCAL_RANK and WORLD_SIZE from os.environ: torchrun sets them."
-    return f"your script failed under torchrun. The end of its output:\n{tail}"
-
-
-def _unfilled_places(source):
-    """Name the places that still raise NotImplementedError, before any rank is started."""
-    lines = [number for number, line in enumerate(source.splitlines(), 1)
-             if line.strip().startswith("raise NotImplementedError")]
-    if lines:
-        raise CheckFailed(f"lines {lines} of your script still raise NotImplementedError: fill in those "
-                          "places (no rank was started).")
-
-
-def _static_mistakes(source):
-    """Mistakes visible in the source, which a CPU run cannot show (device_ids is None there)."""
-    tree = ast.parse(source)
-    assigned = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    assigned.setdefault(target.id, []).append(node.value)
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            if any(n == "spike_course" or n.startswith("spike_course.") for n in names):
-                raise CheckFailed("your script imports spike_course, which the cluster does not "
-                                  "have: the job must need torch only.")
-
-    def not_a_list(expr, seen=()):
-        """True when ``expr`` is certainly not a list (an int, a device, a rank variable...)."""
-        if isinstance(expr, ast.IfExp):
-            return not_a_list(expr.body, seen) or not_a_list(expr.orelse, seen)
-        if isinstance(expr, ast.Constant):
-            return expr.value is not None
-        if isinstance(expr, ast.Call):
-            name = ast.unparse(expr.func)
-            return name in ("int", "torch.device", "device") or name.endswith(".current_device")
-        if isinstance(expr, ast.Attribute):
-            return expr.attr in ("index", "device")
-        if isinstance(expr, ast.Name) and expr.id not in seen and expr.id in assigned:
-            return all(not_a_list(v, seen + (expr.id,)) for v in assigned[expr.id])
-        return False
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in (
-                "DDP", "DistributedDataParallel"):
-            for keyword in node.keywords:
-                if keyword.arg == "device_ids" and not_a_list(keyword.value):
-                    raise CheckFailed(
-                        f"device_ids={ast.unparse(keyword.value)} is not a list: DDP wants the list "
-                        "of the ONE GPU this process uses, device_ids=[local_rank], and None on the "
-                        "CPU. (The cluster guide passes a torch.device here, which fails on a GPU.)")
-
-
-def _tensors(dataset):
-    """(uint8 images, labels) of the synthetic digits or of a Subset of torchvision's MNIST."""
-    import torch
-
-    if hasattr(dataset, "indices"):  # Subset(MNIST, range(limit))
-        index = torch.as_tensor(list(dataset.indices))
-        return dataset.dataset.data[index], dataset.dataset.targets[index]
-    return dataset.data, dataset.targets
-
-
-def _compare(weights, expected):
-    """The largest absolute difference between two state dicts (inf if names differ)."""
-    if set(weights) != set(expected):
-        return float("inf")
-    return max((weights[k].double() - expected[k].double()).abs().max().item() for k in expected)
-
-
-def _metrics(path):
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def check_capstone_job(script, folder) -> None:
-    """Run the learner's ``script`` under bare torchrun with 2 ranks, twice: one epoch, then
-    (resuming from its checkpoint) a second epoch with a crash and a restart, and compare
-    its weights and test accuracy with the single-process reference."""
+def _write_data(path):
     import torch
 
     from ..data import load_mnist
 
-    # Absolute paths: the ranks run in the check's folder, not in the notebook's.
+    def tensors(dataset):
+        if hasattr(dataset, "indices"):  # Subset(MNIST, range(limit))
+            index = torch.as_tensor(list(dataset.indices))
+            return dataset.dataset.data[index], dataset.dataset.targets[index]
+        return dataset.data, dataset.targets
+
+    train, test = load_mnist(train=True, limit=TRAIN_SAMPLES), load_mnist(train=False, limit=TEST_SAMPLES)
+    torch.save({"train": tensors(train), "test": tensors(test)}, path)
+
+
+# --- what the ranks did, read from their events ------------------------------------------------
+
+
+class Run:
+    """One rank's attempt, parsed: its optimizer steps (each with the micro-batches that made
+    it), its evaluations, and the events themselves."""
+
+    def __init__(self, events):
+        self.events, self.steps, self.evaluations = events, [], []
+        micro, evaluation, step_count = [], None, 0
+        for event in events:
+            if event["kind"] == "forward" and event["grad"]:
+                micro.append(event["ids"])
+                evaluation = None
+            elif event["kind"] == "forward":
+                if evaluation is None:
+                    evaluation = {"after_steps": step_count, "ids": []}
+                    self.evaluations.append(evaluation)
+                evaluation["ids"] += event["ids"]
+            elif event["kind"] == "step":
+                self.steps.append(dict(event, micro=micro))
+                micro, evaluation, step_count = [], None, step_count + 1
+        self.pending = micro  # forwards after the last step (a crash in the middle of one)
+
+    def samples(self, steps) -> list[int]:
+        return [i for step in steps for ids in step["micro"] for i in ids]
+
+    def epoch(self, number) -> list[dict]:
+        """The steps between evaluation number-1 and evaluation number (all, if none follows)."""
+        start = self.evaluations[number - 1]["after_steps"] if number else 0
+        end = self.evaluations[number]["after_steps"] if number < len(self.evaluations) else len(self.steps)
+        return self.steps[start:end]
+
+
+def _runs(job, attempt) -> dict:
+    return {rank: Run(job.of(rank, attempt)) for rank in range(WORLD)}
+
+
+def _lines_printed(job, rank, attempt=None) -> int:
+    """The lines ``rank`` printed (in ``attempt``, or in the attempt where it printed most)."""
+    return max([e.get("lines", 0) for e in job.every("step") + job.every("exit")
+                if e["rank"] == rank and attempt in (None, e["attempt"])] or [0])
+
+
+def what_ranks_did(job) -> str:
+    """A few lines per rank and attempt: the summary a failure message ends with."""
+    lines = []
+    for rank, attempt in sorted(job.events):
+        run, events = Run(job.of(rank, attempt)), job.of(rank, attempt)
+        if not run.steps and not run.pending:
+            joined = " and joined the process group" if any(e["kind"] == "init" for e in events) else ""
+            lines.append(f"  rank {rank}, attempt {attempt}: started{joined}, trained nothing")
+            continue
+        init = [e for e in events if e["kind"] == "init"]
+        micro = [len(ids) for step in run.steps for ids in step["micro"]]
+        writes = sorted({Path(e["path"]).name for e in events if e["kind"] == "save" and e["path"]})
+        lines.append(
+            f"  rank {rank} (LOCAL_RANK {events[0]['local_rank']}), attempt {attempt}: "
+            + (f"process group {init[0]['backend'] or 'default'}" if init else "no process group")
+            + f"; {len(run.steps)} optimizer steps from {len(micro)} forwards"
+            + (f" of {min(micro)}-{max(micro)} samples" if micro else "")
+            + (f", {sorted({s['syncs'] for s in run.steps})} all-reduce(s) per step" if run.steps else "")
+            + f"; {len(run.evaluations)} evaluation(s) of {[len(e['ids']) for e in run.evaluations]} samples"
+            + (f"; saved {writes}" if writes else "")
+            + f"; printed {_lines_printed(job, rank, attempt)} lines")
+    return "What your ranks did:\n" + "\n".join(lines) if lines else "No rank recorded anything."
+
+
+def _fail(job, message):
+    raise CheckFailed(f"{message}\n\n{what_ranks_did(job)}")
+
+
+# --- 0. before any rank starts ----------------------------------------------------------------
+
+
+def _preflight(source):
+    stubs = [n for n, line in enumerate(source.splitlines(), 1) if line.strip() == STUB]
+    if stubs:
+        raise CheckFailed(f"line {stubs[0]} still raises NotImplementedError: that is where your job "
+                          "starts. Delete it and turn the script below it into a torchrun job (no rank "
+                          "was started).")
+    for node in ast.walk(ast.parse(source)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        if any(n == "spike_course" or n.startswith("spike_course.") for n in names):
+            raise CheckFailed("your script imports spike_course, which the cluster does not have: the "
+                              "job must need torch only (no rank was started).")
+
+
+# --- 1. it ran, and joined a group ------------------------------------------------------------
+
+
+def _first_traceback(output) -> str:
+    """The first rank traceback that is not the check's own crash nor an echo of another rank's."""
+    output = re.sub(r"^\[(?:default)?rank\d+\]:", "", output, flags=re.M)  # torchrun's prefixes
+    blocks = re.findall(r"Traceback \(most recent call last\):\n(?:[ \t].*\n|\n)*\S.*", output)
+    own = [b for b in blocks if "crashed rank" not in b and "closed by peer" not in b]
+    return (own or blocks or [output.strip()[-1500:]])[0]
+
+
+def _joined(job):
+    alone = [rank for rank, attempt in sorted(job.events)  # ranks that worked, but in no group
+             if attempt == 0 and job.of(rank, 0) and not job.of(rank, 0, "init")]
+    if alone:
+        _fail(job, f"ranks {alone} never called init_process_group: the script is still one process "
+                   "per copy, and each copy trains alone (hint 1).")
+
+
+def _ran(job):
+    if job.timed_out:
+        _fail(job, f"your job ran for more than {capstone_run.LAUNCH_TIMEOUT} s on {TRAIN_SAMPLES} samples "
+                   "and was stopped: a rank most likely waits in a collective (all_reduce, barrier) that "
+                   "another rank never reaches, e.g. one inside `if rank == 0:` (hint 2).")
+    if any(code != 0 for code in job.returncodes):
+        error = _first_traceback(job.output)
+        if "RendezvousTimeoutError" in job.output and 1 in job.attempts:
+            _fail(job, f"after the check crashed rank {CRASH_RANK}, torchrun could not restart the job: the "
+                       "other node's rank had already finished, so it never waited for rank "
+                       f"{CRASH_RANK} in a collective. Do the ranks all-reduce their gradients (hint 2)?")
+        if "mutually exclusive with shuffle" in error:
+            _fail(job, "DataLoader refused sampler= together with shuffle=True: the sampler decides the "
+                       "order now (hint 1).")
+        _fail(job, f"your job failed under torchrun. The first error of a rank:\n{error[-2500:]}")
+
+
+def _one_writer(job):
+    for event in job.every("save"):
+        if event["rank"] != 0:
+            # With one process per node, every rank is LOCAL_RANK 0: both conditions read alike here.
+            _fail(job, f"rank {event['rank']}, LOCAL_RANK {event['local_rank']} of the second node, wrote "
+                       f"{Path(event['path']).name} too: one process of the whole job writes, RANK 0 (not "
+                       "every rank, and not LOCAL_RANK 0, which exists on every node). Two writers of one "
+                       "file on the shared volume corrupt it (hint 3).")
+    metrics = str(job.folder / "metrics.jsonl")
+    writers = sorted({e["rank"] for e in job.every("open") if e["path"] == metrics and e["rank"] != 0})
+    if writers:
+        _fail(job, f"rank(s) {writers} also appended to the metrics log, so every line appears once per "
+                   "rank: only rank 0 logs (hint 3).")
+    talkers = sorted({rank for rank, _ in job.events if rank != 0 and _lines_printed(job, rank) > 0})
+    if talkers:
+        _fail(job, f"rank(s) {talkers} printed {_lines_printed(job, talkers[0])} lines: on a node of 8 GPUs "
+                   "every log line would appear 8 times (16 on two nodes). Print on rank 0 only (hint 3).")
+
+
+# --- 2. training: the data, the batch, the gradients, the schedule -----------------------------
+
+
+def _own_part_of_the_data(job, runs):
+    epoch0 = {r: runs[r].samples(runs[r].epoch(0)) for r in range(WORLD)}
+    shared = set(epoch0[0]).intersection(*map(set, list(epoch0.values())[1:]))
+    if shared:
+        _fail(job, f"in epoch 0 the ranks trained on the same samples ({len(shared)} of them, e.g. sample "
+                   f"{min(shared)} on every rank): each rank repeats the others' work instead of taking "
+                   "its own part of the data (hint 1).")
+    covered = set().union(*map(set, epoch0.values()))
+    if len(covered) != TRAIN_SAMPLES:
+        _fail(job, f"epoch 0 trained on {len(covered)} of the {TRAIN_SAMPLES} training samples (the "
+                   "ranks' parts together should be the whole data set, once).")
+
+
+def _global_batch(job, runs):
+    sizes = [[max(map(len, s["micro"]), default=0) for s in runs[r].steps] for r in range(WORLD)]
+    largest = max(max(s, default=0) for s in sizes)
+    if largest > MICRO_BATCH:
+        _fail(job, f"a forward pass took {largest} samples, more than --micro-batch {MICRO_BATCH}: that "
+                   "is what fits in a GPU's memory, so keep it and change the accumulation (hint 2).")
+    for step in range(min(len(runs[r].steps) for r in range(WORLD))):
+        total = sum(len(runs[r].samples([runs[r].steps[step]])) for r in range(WORLD))
+        if total != GLOBAL_BATCH:
+            grown = " It grew with the number of ranks, at the same learning rate." if total == GLOBAL_BATCH * WORLD else ""
+            _fail(job, f"optimizer step {step} was computed from {total} samples over the {WORLD} ranks, but "
+                       f"--batch-size is {GLOBAL_BATCH} samples per optimizer step, the batch the learning "
+                       f"rate was tuned for.{grown} Keep the global batch whatever the world size (hint 2).")
+
+
+def _same_start_and_train_mode(job, runs):
+    import torch
+
+    first = job.weights(0, 0)
+    for rank in range(1, WORLD):
+        theirs = job.weights(rank, 0)
+        if first is not None and theirs is not None and any(not torch.equal(first[k], theirs[k]) for k in first):
+            _fail(job, f"rank {rank} started from other initial weights than rank 0: the ranks train "
+                       "different models (hint 2).")
+    for rank, attempt in job.events:
+        if any(e["kind"] == "forward" and e["grad"] and not e["training"] for e in job.of(rank, attempt)):
+            _fail(job, f"rank {rank} ran training forwards in eval mode: after the first evaluation the "
+                       "model was never put back in train mode (dropout and normalisation layers behave "
+                       "differently in eval mode).")
+
+
+def _one_allreduce_per_step(job, runs):
+    syncs = sorted({s["syncs"] for r in range(WORLD) for s in runs[r].steps})
+    if syncs == [0]:
+        _fail(job, "no gradient was all-reduced: each rank stepped with its own gradients, so the "
+                   "models drift apart. Train through the model wrapped for data parallelism, not the "
+                   "plain one (hint 2).")
+    if syncs != [1]:
+        accumulated = len(runs[0].steps[0]["micro"])
+        _fail(job, f"DDP all-reduced the gradients {max(syncs)} times per optimizer step, once per micro-"
+                   f"batch ({accumulated} per rank): on a DGX node that is {accumulated}x the traffic for "
+                   "the same result. All-reduce once, on the last micro-batch of each step (hint 2).")
+
+
+def _schedule(job, runs):
+    for step, event in enumerate(runs[0].steps):
+        if not math.isclose(event["lr"], _learning_rate(step), rel_tol=1e-12):
+            horizons = [t for t in range(1, 20 * STEPS_PER_EPOCH)
+                        if all(math.isclose(e["lr"], _learning_rate(s, t), rel_tol=1e-12)
+                               for s, e in enumerate(runs[0].steps))]
+            if horizons:
+                _fail(job, f"the cosine decays over {horizons[0]} optimizer steps, but the job makes "
+                           f"{EPOCHS * STEPS_PER_EPOCH} ({STEPS_PER_EPOCH} per epoch): count the steps of an "
+                           "epoch as a rank makes them now (hint 2).")
+            _fail(job, f"the learning rate of optimizer step {step} is {event['lr']:.6g}; the one-GPU script "
+                       f"uses {_learning_rate(step):.6g} there (its warm-up and cosine over "
+                       f"{EPOCHS * STEPS_PER_EPOCH} steps).")
+
+
+# --- 3. the checkpoint ------------------------------------------------------------------------
+
+
+def _checkpoint_written(job, checkpoint):
+    import torch
+
+    if not checkpoint.exists():
+        _fail(job, f"no checkpoint at --checkpoint {checkpoint.name}: rank 0 must write it every epoch.")
+    if any(e["path"] == str(checkpoint) for e in job.every("save")):
+        _fail(job, "torch.save wrote straight to the checkpoint's path: a crash or a preemption in the "
+                   "middle leaves half a file and loses the previous checkpoint too (hint 3).")
+    if not any(e["dst"] == str(checkpoint) for e in job.every("rename")):
+        _fail(job, "the checkpoint was put in place without a rename (a copy, or a write to its path): "
+                   "only a rename on the same file system is atomic, so a crash can leave half a "
+                   "checkpoint (hint 3).")
+    state = _plain_keys(job, checkpoint)
+    missing = [k for k in ("model", "optimizer", "scheduler") if k not in state]
+    if missing:
+        _fail(job, f"the checkpoint lacks {missing}: a resumed run needs them to continue exactly.")
+    return state
+
+
+def _plain_keys(job, checkpoint):
+    """The checkpoint (None if there is none yet), once its model's keys are the plain model's."""
+    import torch
+
+    state = torch.load(checkpoint) if checkpoint.exists() else None
+    model = state.get("model", {}) if isinstance(state, dict) else {}
+    if any(k.startswith("module.") for k in model):
+        _fail(job, f"the checkpoint's model keys start with 'module.' ({next(iter(model))!r}): that is the "
+                   "DDP wrapper's state_dict, which a plain model cannot load (hint 3).")
+    return state
+
+
+def _others_waited(job):
+    for save in (e for e in job.every("save") if e["rank"] == 0):
+        # Training forwards only: a rank may still be evaluating its part when rank 0 saves, but
+        # the next training step is past the point where it should have waited.
+        training = [e for e in job.every("forward") if e["grad"]]
+        others = [e for e in training + job.every("destroy") + job.every("exit") + job.every("load")
+                  if e["rank"] != 0 and e["attempt"] == save["attempt"]]
+        # Busy while rank 0 wrote, or gone before it had finished (an exit can come before the
+        # save even starts: rank 0 prints and logs first).
+        early = [e for e in others if save["start"] < e["time"] < save["time"]
+                 or e["kind"] == "exit" and e["time"] < save["time"]]
+        if early:
+            _fail(job, f"rank {early[0]['rank']} went on ({early[0]['kind']}) while rank 0 was still writing "
+                       "the checkpoint: no rank waited for it. A rank that exits, crashes or reads the "
+                       "checkpoint meanwhile finds half of it, or none (hint 3).")
+
+
+# --- 4. the evaluation ------------------------------------------------------------------------
+
+
+def _each_test_sample_once(job, runs):
+    seen = {r: [i - TRAIN_SAMPLES for i in runs[r].evaluations[0]["ids"]] for r in range(WORLD)
+            if runs[r].evaluations}
+    if len(seen) < WORLD:
+        _fail(job, "a rank never evaluated: every rank must take part in the evaluation.")
+    if all(sorted(ids) == list(range(TEST_SAMPLES)) for ids in seen.values()):
+        _fail(job, f"every rank evaluated the whole test set ({TEST_SAMPLES} samples each): the result is "
+                   "right, but the evaluation takes as long on 16 GPUs as on one. Give each rank its own "
+                   "part, and add the counts up over the ranks (hint 4).")
+    counts = Counter(i for ids in seen.values() for i in ids)
+    twice = sorted(i for i, n in counts.items() if n > 1)
+    if twice:
+        _fail(job, f"test samples {twice[:5]} were evaluated on more than one rank ({sum(counts.values())} "
+                   f"evaluations of {TEST_SAMPLES} samples): a DistributedSampler pads the last part with "
+                   "repeats, so they count twice (hint 4).")
+    if len(counts) != TEST_SAMPLES:
+        _fail(job, f"only {len(counts)} of the {TEST_SAMPLES} test samples were evaluated (hint 4).")
+
+
+def _accuracy(weights, data_path):
+    """(correct, ambiguous, correct on each rank's part) of ``weights`` on the test set; a sample
+    is ambiguous when its two best logits lie so close that another batch's rounding may swap them."""
+    import torch
+
+    _, (x, y) = _tensors(data_path)
+    model = _model()
+    model.load_state_dict(weights)
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    top2 = logits.topk(2, dim=1).values
+    hit = logits.argmax(dim=1) == y
+    return int(hit.sum()), int((top2[:, 0] - top2[:, 1] < 1e-4).sum()), hit
+
+
+def _reported_accuracy(job, entry, weights, data_path):
+    correct, ambiguous, hit = _accuracy(weights, data_path)
+    reported = entry.get("test_accuracy")
+    if not isinstance(reported, float):
+        _fail(job, f"the metrics line {entry} has no test_accuracy.")
+    # Two different fractions with denominators <= 202 differ by more than 1e-5; a float
+    # division errs by about 1e-16. `ambiguous` samples may legitimately flip.
+    if any(abs(reported - (correct + d) / TEST_SAMPLES) < 1e-9 for d in range(-ambiguous, ambiguous + 1)):
+        return
+    own = [hit[r::WORLD].float().mean().item() for r in range(WORLD)]
+    if any(abs(reported - a) < 1e-6 for a in own):
+        _fail(job, f"the test accuracy {reported:.4f} is rank 0's own part only (the whole test set gives "
+                   f"{correct / TEST_SAMPLES:.4f}): the ranks' counts were never added up (hint 4).")
+    _fail(job, f"the test accuracy {reported:.6f} is not the accuracy of the trained weights over the whole "
+               f"test set ({correct / TEST_SAMPLES:.6f}) (hint 4).")
+
+
+# --- 5. the restart ---------------------------------------------------------------------------
+
+
+def _new_shuffle_every_epoch(job, runs):
+    for rank in range(WORLD):
+        epoch0, epoch1 = runs[rank].epoch(0), runs[rank].epoch(1)
+        if epoch1 and [s["micro"] for s in epoch1] == [s["micro"] for s in epoch0[:len(epoch1)]]:
+            _fail(job, f"rank {rank} saw epoch 1 in the same order as epoch 0: the sampler shuffles the "
+                       "same way every epoch unless it is told which epoch it is (hint 1).")
+
+
+def _resumed(job, checkpoint, before, after):
+    if 1 not in job.attempts:
+        _fail(job, f"the job was never restarted: the check crashes rank {CRASH_RANK} after {CRASH_AFTER} "
+                   "optimizer steps, and torchrun restarts it. Did the job make that many steps?")
+    for rank in range(WORLD):
+        loads = [e for e in job.of(rank, 1, "load") if e["path"] == str(checkpoint)]
+        if not loads:
+            _fail(job, f"after the restart, rank {rank} did not load {checkpoint.name}: the job started over "
+                       "from scratch and lost its work (hint 3).")
+        if loads[0]["map_location"] is None:
+            _fail(job, "the checkpoint is loaded without map_location: on GPUs torch.load puts every "
+                       "tensor back on the GPU that saved it, so all 8 ranks of a node load onto GPU 0 "
+                       "(and run out of memory there). Load onto the rank's own device (hint 3).")
+    first = after[0].steps[0] if after[0].steps else None
+    done = len(before[0].epoch(0))
+    if first is not None and not first["had_state"]:
+        _fail(job, "after the restart the optimizer started without its state (AdamW's moments): it "
+                   "was not restored from the checkpoint, so the resumed run takes other steps.")
+    for i, step in enumerate(after[0].steps):
+        if not math.isclose(step["lr"], _learning_rate(done + i), rel_tol=1e-12):
+            over = " — the schedule started over" if math.isclose(step["lr"], _learning_rate(i)) else ""
+            _fail(job, f"step {i} after the restart used the learning rate {step['lr']:.6g}, but step "
+                       f"{done + i} of the schedule is {_learning_rate(done + i):.6g}{over}: the scheduler "
+                       "was not restored from the checkpoint (the optimizer's saved learning rate only "
+                       "covers the first step).")
+    for rank in range(WORLD):
+        again, crashed = after[rank].epoch(0), before[rank].epoch(1)
+        if [s["micro"] for s in again[:len(crashed)]] != [s["micro"] for s in crashed]:
+            _fail(job, f"after the restart rank {rank} saw epoch 1 in another order than before the crash: a "
+                       "resumed run must replay the same data (the sampler's seed and epoch decide it).")
+
+
+# --- 6. the weights, replayed -----------------------------------------------------------------
+
+
+def _replay(weights, steps, data_path, snapshots=()):
+    """DDP's arithmetic on the recorded batches: per step, each rank's micro-batch gradients
+    accumulated (each loss divided by the number of micro-batches), divided by the world size
+    and summed (DDP's all-reduce: for 2 ranks the sum is the same in either order, and halving
+    is exact), clipped, then AdamW with the recorded learning rate. One thread, as each rank.
+    Returns the weights after each step number in ``snapshots``."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..runtime import rank_arithmetic
+
+    (x, y), _ = _tensors(data_path)
+    model = _model()
+    model.load_state_dict(weights)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    taken = []
+    with rank_arithmetic(1):
+        for number, per_rank in enumerate(steps, 1):
+            accumulated = []
+            for step in per_rank:
+                model.zero_grad(set_to_none=True)
+                for ids in step["micro"]:
+                    (F.cross_entropy(model(x[ids]), y[ids]) / len(step["micro"])).backward()
+                accumulated.append([p.grad / WORLD for p in params])
+            for p, *grads in zip(params, *accumulated):
+                p.grad = grads[0]
+                for g in grads[1:]:
+                    p.grad = p.grad + g
+            torch.nn.utils.clip_grad_norm_(params, CLIP)
+            for group in optimizer.param_groups:
+                group["lr"] = per_rank[0]["lr"]
+            optimizer.step()
+            if number in snapshots:
+                taken.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return taken
+
+
+def _difference(a, b):
+    return max(((a[k].double() - b[k].double()).abs().max().item(), k) for k in b)
+
+
+def _weights_match(job, before, after, state, data):
+    """Epoch 0 as attempt 0 trained it, then epoch 1 as the restarted attempt did: the weights
+    the restart loaded, and the final ones, must equal the replay's bit for bit."""
+    epoch0 = list(zip(*(before[r].epoch(0) for r in range(WORLD))))
+    epoch1 = list(zip(*(after[r].epoch(0) for r in range(WORLD))))
+    at_restart, final = _replay(job.weights(0, 0), epoch0 + epoch1, data,
+                                snapshots=(len(epoch0), len(epoch0) + len(epoch1)))
+    resumed = job.weights(0, 1)
+    if resumed is not None and set(resumed) == set(at_restart) and _difference(resumed, at_restart)[0] != 0:
+        gap, where = _difference(resumed, at_restart)
+        _fail(job, f"after epoch 0 your weights differ by up to {gap:.3g} (in {where}) from DDP's arithmetic "
+                   "on your ranks' own batches: each optimizer step's gradient should be the mean over "
+                   "its global batch, averaged by the all-reduce and clipped after it (hint 2).")
+    gap, where = _difference(state["model"], final)
+    if gap != 0:
+        _fail(job, f"epoch 0 matched, but after the restart the final weights differ by up to {gap:.3g} "
+                   f"(in {where}) from DDP's arithmetic on your ranks' batches: the resumed run does not "
+                   "continue exactly.")
+    return at_restart, final
+
+
+def _metrics_logged(job, folder, epoch0, final, data):
+    path = folder / "metrics.jsonl"
+    entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if len(entries) != EPOCHS:
+        _fail(job, f"rank 0 logged {len(entries)} evaluations to --metrics, for {EPOCHS} epochs with a restart "
+                   "in between: one line per epoch, none repeated.")
+    _reported_accuracy(job, entries[0], epoch0, data)
+    _reported_accuracy(job, entries[1], final, data)
+
+
+def _closed(job):
+    last = max(job.attempts)
+    missing = [r for r in range(WORLD) if not job.of(r, last, "destroy")]
+    if missing:
+        _fail(job, f"ranks {missing} never called destroy_process_group: a rank that leaves without it "
+                   "can hang or abort its exit, and its neighbours see a crash.")
+
+
+# --- 7. on nodes with GPUs ----------------------------------------------------------------------
+
+
+def _gpu_choices(job):
+    """The choices recorded on pretend GPUs (one per node): NCCL, and LOCAL_RANK's GPU everywhere."""
+    for rank in range(WORLD):
+        events = job.of(rank, 0)
+        local = events[0]["local_rank"] if events else 0
+        init = [e for e in events if e["kind"] == "init"]
+        if init and init[0]["backend"] not in (None, "nccl") and "nccl" not in (init[0]["backend"] or ""):
+            _fail(job, f"on a node with GPUs rank {rank} still starts the {init[0]['backend']} backend: "
+                       "gloo moves every gradient through the CPU; NCCL uses NVLink (hint 1).")
+        chosen = [(e["kind"], e["index"]) for e in events if e["kind"] in ("set_device", "to")]
+        chosen += [("ddp", d) for e in events if e["kind"] == "ddp" and isinstance(e["device_ids"], list)
+                   for d in e["device_ids"]]
+        wrong = [(kind, index) for kind, index in chosen
+                 if index is not None and str(index).split(":")[-1] != str(local)]
+        if wrong:
+            kind, index = wrong[0]
+            what = {"set_device": "torch.cuda.set_device", "to": "the model's .to", "ddp": "DDP's device_ids"}[kind]
+            _fail(job, f"rank {rank} is LOCAL_RANK {local} on its node, but {what} got GPU {index}: RANK "
+                       "counts over all nodes (8-15 on the second DGX node), a node's GPUs are numbered "
+                       "by LOCAL_RANK (hint 1).")
+        if not any(e["kind"] == "set_device" for e in events):
+            _fail(job, f"rank {rank} never called torch.cuda.set_device: whatever is made on 'cuda' without "
+                       "an index (NCCL's own buffers too) lands on GPU 0, so 8 ranks share it (hint 1).")
+        ddp = [e for e in events if e["kind"] == "ddp"]
+        if ddp and ddp[0]["device_ids"] is not None and not isinstance(ddp[0]["device_ids"], list):
+            _fail(job, f"device_ids={ddp[0]['device_ids']} is not a list: DDP wants the list of the one GPU "
+                       "this process uses (hint 1).")
+    if any(code != 0 for code in job.returncodes) or not job.every("ddp"):
+        _fail(job, "on a node with a GPU, your job failed before it wrapped the model in DDP. The first "
+                   f"error of a rank:\n{_first_traceback(job.output)[-2500:]}")
+
+
+# --- the check -------------------------------------------------------------------------------
+
+
+def _first_attempt(job, checkpoint):
+    """Everything the first attempt shows, in the order of the hints: the data, the batch and
+    the gradients (1, 2), the writer and the checkpoint (3), the evaluation (4). Returns the
+    checkpoint as it is now."""
+    _joined(job)
+    before = _runs(job, 0)
+    for step in (_own_part_of_the_data, _global_batch, _same_start_and_train_mode, _one_allreduce_per_step,
+                 _schedule):
+        step(job, before)
+    _one_writer(job)
+    state = _checkpoint_written(job, checkpoint)
+    _others_waited(job)
+    _each_test_sample_once(job, before)
+    _new_shuffle_every_epoch(job, before)
+    return state
+
+
+
+
+def check_capstone_job(script, folder) -> None:
+    """Run the learner's ``script`` as a 2-node torchrun job (crashed once, restarted), judge
+    what its ranks did step by step, then record its choices on pretend GPUs."""
     script, folder = Path(script).resolve(), (Path(folder) / "capstone_check").resolve()
     if not script.exists():
-        raise CheckFailed(f"{script} does not exist: run the %%writefile cell first.")
-    _unfilled_places(script.read_text())
-    _static_mistakes(script.read_text())
+        raise CheckFailed(f"{script} does not exist: run its %%writefile cell first.")
+    _preflight(script.read_text())
     folder.mkdir(parents=True, exist_ok=True)
-    data = folder / "data.pt"
-    train, test = load_mnist(train=True, limit=TRAIN_SAMPLES), load_mnist(train=False, limit=TEST_SAMPLES)
-    torch.save({"train": _tensors(train), "test": _tensors(test)}, data)
-    checkpoint, metrics = folder / "ckpt.pt", folder / "metrics.jsonl"
-    for old in folder.glob("ckpt.pt*"):
-        old.unlink()
-    metrics.unlink(missing_ok=True)
-    args = ["--data", data, "--batch-size", BATCH, "--test-batch-size", 64, "--lr", LR,
-            "--gamma", GAMMA, "--dropout", 0, "--seed", SEED, "--checkpoint", checkpoint,
-            "--metrics", metrics, "--log-interval", 1000]
+    data, checkpoint, metrics = folder / "data.pt", folder / "checkpoint.pt", folder / "metrics.jsonl"
+    for old in [metrics, *folder.glob("checkpoint.pt*")]:
+        old.unlink(missing_ok=True)
+    _write_data(data)
+    options = _options(data, checkpoint, metrics)
 
-    # Run 1: one epoch from scratch.
-    code, output, calls = _launch(script, folder, args + ["--epochs", 1])
-    saves = [c for c in calls if c["call"] == "save"]
-    savers = sorted({c["rank"] for c in saves})
-    if savers and savers != [0]:  # checked first: it is often what made the run fail
-        raise CheckFailed(f"ranks {savers} all called torch.save: every rank holds the same model, so "
-                          "only rank 0 should write (if rank == 0: ...), then dist.barrier(). Several "
-                          "ranks writing one file at once leave a corrupt checkpoint, or one rank's "
-                          "os.replace finds the temporary file already gone.")
-    if code != 0:
-        raise CheckFailed(_explain_failure(output))
-    if not checkpoint.exists():
-        raise CheckFailed(f"no checkpoint at --checkpoint {checkpoint.name} after the epoch: rank 0 must "
-                          "save it there at the end of every epoch.")
-    if any(c["path"] == os.path.abspath(checkpoint) for c in saves):
-        raise CheckFailed("torch.save wrote straight to the checkpoint path: a crash in the middle leaves "
-                          "half a file and loses the previous checkpoint. Save to a temporary file next "
-                          "to it, then os.replace(tmp, path), which is atomic.")
-    destroyed = {c["rank"] for c in calls if c["call"] == "destroy_process_group"}
-    if destroyed != set(range(WORLD)):
-        raise CheckFailed(f"dist.destroy_process_group() was not called on ranks "
-                          f"{sorted(set(range(WORLD)) - destroyed)}: call it at the end of the script, "
-                          "after the last barrier, so every rank shuts its connections down cleanly.")
-    state = torch.load(checkpoint)
-    missing = [k for k in ("model", "optimizer", "scheduler", "epoch") if k not in state]
-    if missing:
-        raise CheckFailed(f"the checkpoint lacks {missing}: save a dict with model, optimizer, "
-                          "scheduler and epoch, or a resumed run cannot continue exactly.")
-    if any(k.startswith("module.") for k in state["model"]):
-        raise CheckFailed("the checkpoint's model keys start with 'module.' (e.g. "
-                          f"{next(iter(state['model']))!r}): that is the DDP wrapper's state_dict. Save "
-                          "ddp_model.module.state_dict() (or the unwrapped model's), so the file loads "
-                          "into a plain Net for testing or inference, with or without DDP.")
+    judged = []
 
-    expected = _reference(data, epochs=1)
-    gap = _compare(state["model"], expected)
-    # Tolerance 0: the ranks and the reference do the same float operations (see _reference).
-    if gap != 0:
-        if _compare(state["model"], _reference(data, epochs=1, set_epoch=False)) == 0:
-            raise CheckFailed("epoch 1 trained on the sampler's epoch-0 shuffle, which is what happens "
-                              "when set_epoch is never called (every epoch then has the same shuffle "
-                              "as epoch 1): call train_sampler.set_epoch(epoch) before each epoch.")
-        train_loaders = [c for c in calls if c["call"] == "__init__" and c["size"] == TRAIN_SAMPLES]
-        if train_loaders and any(c["sampler"] != "DistributedSampler" for c in train_loaders):
-            raise CheckFailed("the training DataLoader has no DistributedSampler: every rank trains on "
-                              "the whole data set, so the 2 ranks repeat each other's work. Pass "
-                              "sampler=DistributedSampler(train_set) to the training loader.")
-        raise CheckFailed(f"after one epoch the weights differ from the single-process reference by "
-                          f"up to {gap:.3g}. Is the model wrapped in DDP (so gradients are averaged), "
-                          "the same seed used on every rank, the batch size per rank unchanged?")
+    def watch(job):  # attempt 0's mistakes are named as soon as it is over, not after the restart
+        if not judged and job.of(CRASH_RANK, 0, "crash") and all((r, 1) in job.events for r in range(WORLD)):
+            judged.append(True)
+            _first_attempt(job, checkpoint)
 
-    correct, ambiguous, hits = _test_counts(expected, data)
-    runs = _metrics(metrics)
-    if not runs or runs[-1].get("epoch") != 1 or "test_accuracy" not in runs[-1]:
-        raise CheckFailed(f"rank 0 should append {{'epoch': 1, 'test_accuracy': ...}} to --metrics; "
-                          f"found {runs}.")
-    reported = runs[-1]["test_accuracy"]
-    # Any two different fractions with denominators <= 202 differ by > 1e-5; float division
-    # errs by ~1e-16, so 1e-9 tells them apart. `ambiguous` samples may legitimately flip.
-    if not any(abs(reported - (correct + d) / TEST_SAMPLES) < 1e-9
-               for d in range(-ambiguous, ambiguous + 1)):
-        rank0 = hits[0::WORLD]
-        if abs(reported - rank0.float().mean().item()) < 1e-6 or abs(
-                reported - int(hits[1::WORLD].sum()) / len(hits[1::WORLD])) < 1e-6:
-            raise CheckFailed(f"the test accuracy {reported:.4f} is rank 0's own shard only (the whole "
-                              f"test set gives {correct / TEST_SAMPLES:.4f}): all_reduce the numbers of "
-                              "correct answers and of samples over the ranks, then divide.")
-        if abs(reported * (TEST_SAMPLES + 1) - round(reported * (TEST_SAMPLES + 1))) < 1e-6:
-            raise CheckFailed(f"the test accuracy {reported:.4f} counts {TEST_SAMPLES + 1} samples, but "
-                              f"the test set has {TEST_SAMPLES}: a DistributedSampler pads the last shard "
-                              "with repeats. Give each rank range(rank, N, world_size) of the test set.")
-        raise CheckFailed(f"the test accuracy {reported:.6f} is not the accuracy of the trained weights "
-                          f"over the whole test set ({correct / TEST_SAMPLES:.6f}): count correct answers "
-                          "and samples on each rank, all_reduce both (SUM), divide.")
+    job = capstone_run.launch(script, folder, options, data=data, max_restarts=1, watch=watch, probe_env={
+        "CAPSTONE_CRASH": f"{CRASH_RANK}:{CRASH_AFTER}", "CAPSTONE_SAVE_DELAY": str(SAVE_DELAY)})
+    _joined(job)
+    if job.timed_out or any(code != 0 for code in job.returncodes):
+        _one_writer(job)  # two writers of one file often make the job fail: name the cause
+        _plain_keys(job, checkpoint)  # so do 'module.' keys, when the restart loads them
+        _ran(job)
+    state = _first_attempt(job, checkpoint)
+    before, after = _runs(job, 0), _runs(job, 1)
+    _resumed(job, checkpoint, before, after)
+    epoch0, final = _weights_match(job, before, after, state, data)
+    _metrics_logged(job, folder, epoch0, final, data)
+    _closed(job)
 
-    # Run 2: two epochs, resuming from run 1's checkpoint; one crash in epoch 2, one restart.
-    crash_at = STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2
-    code, output, calls = _launch(script, folder, args + ["--epochs", 2, "--crash-at", crash_at],
-                                  max_restarts=1)
-    if code != 0:
-        raise CheckFailed(_explain_failure(output))
-    if not any(c["restart"] == 1 for c in calls):
-        raise CheckFailed(f"the run was not restarted: the crash at step {crash_at} (--crash-at) never "
-                          "happened. Keep the crash lines of the training loop as they are.")
-    evaluated = [m.get("epoch") for m in _metrics(metrics)]
-    if evaluated != [1, 2]:
-        raise CheckFailed(f"the epochs evaluated, in order, were {evaluated} (expected [1, 2]): the second "
-                          "run should load the checkpoint of epoch 1 and continue with epoch 2. Load "
-                          "model, optimizer and scheduler from it and start at its epoch + 1.")
-    state = torch.load(checkpoint)
-    expected = _reference(data, epochs=2)
-    if _compare(state["model"], expected) != 0:
-        if _compare(state["model"], _reference(data, epochs=2, set_epoch=False)) == 0:
-            raise CheckFailed("epoch 2 trained on the same shuffle as epoch 1: call "
-                              "train_sampler.set_epoch(epoch) before each epoch, or every epoch sees "
-                              "the samples in the same order.")
-        raise CheckFailed("epoch 1 matched the reference, but after resuming, epoch 2 does not: restore "
-                          "the optimizer and the scheduler too, and call set_epoch(epoch) every epoch.")
-    passed(f"2 ranks under torchrun match the single-process reference exactly after 1 and 2 epochs "
-           f"({STEPS_PER_EPOCH} steps each), the test accuracy counts each of the {TEST_SAMPLES} samples "
-           "once, only rank 0 saves (atomically, plain keys), and the run crashed, restarted and resumed")
+    on_gpus = capstone_run.launch(script, folder, options, data=data, probe_env={"CAPSTONE_FAKE_GPUS": "1"})
+    _gpu_choices(on_gpus)
+    passed(f"your job ran as 2 nodes under bare torchrun: each rank trained on its own part with a "
+           f"global batch of {GLOBAL_BATCH} and one all-reduce per optimizer step, rank 0 alone logged and "
+           f"wrote the checkpoint (atomically, waited for), each of the {TEST_SAMPLES} test samples was "
+           f"counted once, the job crashed, restarted and resumed exactly, its weights equal DDP's "
+           "arithmetic on its batches bit for bit, and on GPUs it would choose NCCL and LOCAL_RANK's GPU")
 
 
 def check_capstone_submit(line: str, script: str = "train.py", nodes: int = 2,
                           gpus_per_node: int = 8) -> None:
-    """The Run:ai line runs ``script`` on ``nodes`` DGX nodes with all their GPUs."""
+    """The Run:ai line runs ``script`` on ``nodes`` DGX nodes with all their GPUs, from the
+    cluster's facts: its pods and GPUs, each pod's command, the image, resources and environment."""
     if not isinstance(line, str) or not line.startswith("runai "):
         raise CheckFailed(f"expected the runai command line as a string, got {line!r}: build it with "
                           "spike_course.runai.submit_command(...).")
     words = shlex.split(line)
+    command = " ".join(words[words.index("--") + 1:]) if "--" in words else ""
+    _pods_and_gpus(words, nodes, gpus_per_node)
+    _pod_command(command, script, gpus_per_node)
+    _image_resources_environment(words)
+    if _value(words, "--existing-pvc") is None or "/data" not in command:
+        raise CheckFailed("mount the team's volume (pvc=...) and keep the script and --checkpoint "
+                          "on it (cd /data/...): a pod's own disk disappears with the pod, and with "
+                          "it the checkpoint a restarted job needs.")
+    passed(f"`runai training pytorch submit` with {nodes} pods of {gpus_per_node} GPUs, each "
+           f"running torchrun on {script} with the rendezvous from the PET_* variables")
 
-    def value(flag):
-        return words[words.index(flag) + 1] if flag in words else None
 
+def _value(words, flag):
+    return words[words.index(flag) + 1] if flag in words else None
+
+
+def _pods_and_gpus(words, nodes, gpus_per_node):
     if words[1:4] != ["training", "pytorch", "submit"]:
         raise CheckFailed("this is not a distributed PyTorch workload: `runai training submit` makes "
                           "ONE pod. Pass workers=... to submit_command for `runai training pytorch "
                           "submit`, so the training operator starts the pods and their rendezvous.")
     master = "--no-master" not in words  # Run:ai adds a master pod, which trains too, unless told not to
-    pods = int(value("--workers")) + master
+    pods = int(_value(words, "--workers")) + master
     if pods != nodes:
-        raise CheckFailed(f"this line asks for {pods} pods ({value('--workers')} workers"
+        raise CheckFailed(f"this line asks for {pods} pods ({_value(words, '--workers')} workers"
                           + (" and the master pod Run:ai adds" if master else ", no master") +
                           f"), each a whole DGX node, but the job should use {nodes} nodes: count every "
                           "pod that trains.")
-    if value("--gpu-devices-request") != str(gpus_per_node):
-        raise CheckFailed(f"--gpu-devices-request is {value('--gpu-devices-request')}: a pod is one node "
-                          f"here, so ask for all its {gpus_per_node} GPUs (gpus={gpus_per_node}).")
-    command = " ".join(words[words.index("--") + 1:]) if "--" in words else ""
+    if _value(words, "--gpu-devices-request") != str(gpus_per_node):
+        raise CheckFailed(f"--gpu-devices-request is {_value(words, '--gpu-devices-request')}: a pod is one "
+                          f"node here, so ask for all its {gpus_per_node} GPUs (gpus={gpus_per_node}).")
+
+
+def _pod_command(command, script, gpus_per_node):
     if "torchrun" not in command and "torch.distributed.run" not in command:
         raise CheckFailed("the pod's command does not start torchrun: plain python starts one process, "
                           "but the script reads RANK/LOCAL_RANK that torchrun sets, one per GPU.")
@@ -459,9 +723,20 @@ def check_capstone_submit(line: str, script: str = "train.py", nodes: int = 2,
                           f"(or gpu), got {per_node or 'none'}.")
     if script not in command:
         raise CheckFailed(f"the command does not run {script}.")
-    if value("--existing-pvc") is None or "/data" not in command:
-        raise CheckFailed("mount the team's volume (pvc=...) and keep the script and --checkpoint "
-                          "on it (cd /data/...): a pod's own disk disappears with the pod, and with "
-                          "it the checkpoint a restarted job needs.")
-    passed(f"`runai training pytorch submit` with {nodes} pods of {gpus_per_node} GPUs, each "
-           f"running torchrun on {script} with the rendezvous from the PET_* variables")
+
+
+def _image_resources_environment(words):
+    image = _value(words, "-i") or ""
+    host = image.split("/")[0]
+    if "/" not in image or "." not in host and ":" not in host:
+        raise CheckFailed(f"the image {image!r} names no registry: Run:ai would pull it from Docker Hub, "
+                          "where the team's image is not. Give it whole: registry host, project, image.")
+    memory = _value(words, "--cpu-memory-request")
+    if memory is None or not memory[-1].isalpha():
+        raise CheckFailed(f"the memory request is {memory!r}: a Kubernetes quantity without a unit counts "
+                          "bytes. Ask with a unit (G, Gi).")
+    environment = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "-e"]
+    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" not in environment:
+        raise CheckFailed("the pods' environment does not give a restarted round its own rendezvous store "
+                          "(chapter 07): by default the restarted workers share the previous round's store, "
+                          "can read the dead workers' addresses, and fail instead of resuming.")

@@ -1,7 +1,15 @@
 """Exercise checks for chapter 11: making a model fit (a memory budget on N ranks; predicting
-a job's bytes per GPU with the cost model)."""
+a job's bytes per GPU with the cost model).
+
+Exercise 1's check reads each rank's report in the steps a learner takes: the model build()
+returns, how it is sharded, what its forward saves for backward, the weights and buffers it
+starts from, and where training ends. Most of its mistakes show in byte counts set against the
+cost model, so they sit in tables of known mistakes (name, how its readings show it, message);
+exercise 2's usual slips are such a table too (_peak_slips)."""
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 from ._common import CheckFailed, borrowed_names, largest_difference, passed
 
@@ -10,6 +18,229 @@ def _tensors_equal(a: dict, b: dict) -> bool:
     import torch
 
     return a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)
+
+
+def _bytes(run: dict) -> int:
+    """What a run held at its peak: its model states after the last step plus what its forward
+    saved for backward."""
+    return sum(run["held"].values()) + run["saved"]
+
+
+class _Model:
+    """The reported TinyTransformer's size, and the bytes the cost model predicts for it."""
+
+    def __init__(self, shape: dict, seq: int):
+        from ..costmodel import transformer_params
+
+        self.shape, self.seq = shape, seq
+        layers, dim, hidden = shape["n_layers"], shape["dim"], shape["hidden"]
+        self.psi = transformer_params(layers, dim, hidden, shape["vocab_size"], shape["max_seq_len"])
+        self.root = self.psi - layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim)  # embeddings, norm, output
+
+    def activations(self, batch: int, **options) -> int:
+        from ..costmodel import activation_bytes
+
+        shape = self.shape
+        return activation_bytes(batch, self.seq, shape["dim"], shape["hidden"], shape["n_layers"],
+                                shape["n_heads"], shape["vocab_size"], **options)
+
+
+class _Rank:
+    """One rank's report of exercise 1, with the readings its known mistakes are recognised by.
+    Each reading is computed when a step asks for it, as the report is read step by step."""
+
+    def __init__(self, rank: int, report: dict, model: _Model, world: int, budget: float):
+        self.rank, self.report, self.model, self.world, self.budget = rank, report, model, world, budget
+        self.fit, self.ddp, self.batch = report["fit"], report["ddp"], report["batch"]
+
+    @property
+    def parameters(self) -> int:
+        return self.fit["held"]["parameters"]
+
+    @property
+    def saved(self) -> int:
+        return self.fit["saved"]
+
+    @property
+    def total(self) -> int:
+        return _bytes(self.fit)
+
+    @property
+    def holds(self) -> str:
+        """How the messages about this rank's bytes begin."""
+        within = "over" if self.total > self.budget else "within"
+        return f"rank {self.rank} holds {self.total:,} bytes ({within} the budget of {self.budget:,.0f})"
+
+    def activations(self, batch: int | None = None, **options) -> int:
+        """The bytes a forward saves for backward, by the cost model: this rank's batch unless told."""
+        return self.model.activations(self.batch if batch is None else batch, **options)
+
+    def saved_like_some_forward(self) -> bool:
+        """Whether the bytes saved are what an honest forward saves: this batch or a smaller one,
+        checkpointed per block or not, in any precision."""
+        return self.saved in {self.activations(b, checkpoint=c, precision=p) for b in range(1, self.batch + 1)
+                              for c in (False, True) for p in ("fp32", "autocast", "bf16")}
+
+
+class _Mistake(NamedTuple):
+    """A known mistake: its name, how a rank's readings show it, and what the learner is told."""
+    name: str
+    seen: Callable[[_Rank], bool]
+    message: Callable[[_Rank], str]
+
+
+def _name_the_first(mistakes, r: _Rank) -> None:
+    """Fail with the message of the first of ``mistakes`` that ``r``'s readings show."""
+    for mistake in mistakes:
+        if mistake.seen(r):
+            raise CheckFailed(mistake.message(r))
+
+
+def _first_cause(causes, r: _Rank, otherwise: str) -> str:
+    """The message of the first of ``causes`` that ``r``'s readings show, else ``otherwise``."""
+    return next((cause.message(r) for cause in causes if cause.seen(r)), otherwise)
+
+
+# The model build() returned, before any byte is counted: its dtype, its class (told by its
+# buffers, since the lecture's class has the same parameters), where its weights were made.
+BUILD_MISTAKES = (
+    _Mistake("cast to bf16",
+             lambda r: r.fit["dtypes"] != ["torch.float32"],
+             lambda r: f"rank {r.rank}: the parameters are {', '.join(r.fit['dtypes'])}: casting the model to "
+                       "bf16 (model.to(torch.bfloat16)) drops the fp32 master weights, and Adam's small "
+                       "updates are rounded away. Keep fp32 parameters (bf16 compute would be "
+                       "MixedPrecisionPolicy, but here the result must not change at all)."),
+    _Mistake("another class",
+             lambda r: r.report["buffers"].keys() != r.report["expected_buffers"].keys(),
+             lambda r: f"rank {r.rank}: the model build() returned has the buffers "
+                       f"{sorted(r.report['buffers']) or 'none'}, the unconstrained one "
+                       f"{sorted(r.report['expected_buffers'])}: build the colleague's model (the class the "
+                       "unconstrained run uses), not another one with the same parameters."),
+    _Mistake("created whole",
+             lambda r: r.report["created_on"] != "meta",
+             lambda r: f"rank {r.rank} created the whole model on {r.report['created_on']} (all "
+                       f"{4 * r.model.psi:,} bytes of parameters, on every rank) before sharding it: for a "
+                       "model that does not fit one GPU, that is the line that fails. Create it under "
+                       'with torch.device("meta"): (shapes, no memory), shard it, then '
+                       "model.to_empty(device=...) allocates only this rank's shards."),
+)
+
+# Which fully_shard calls are missing, told by the bytes of fp32 parameters (4 each) a rank keeps,
+# and by those still gathered after the forward. In this order: each test assumes that the ones
+# before it were not seen (a rank that keeps the whole model also keeps more than 1/N of it).
+SHARDING_MISTAKES = (
+    _Mistake("nothing sharded",
+             lambda r: r.parameters >= 4 * r.model.psi,
+             lambda r: f"{r.holds}: the parameters take {r.parameters:,} bytes on every rank, the whole "
+                       "model: nothing is sharded. Call fully_shard(block, mesh=mesh) on each block and then "
+                       "fully_shard(model, mesh=mesh) on the root, so each rank keeps 1/N of the "
+                       "parameters, gradients and Adam state."),
+    _Mistake("root not sharded",
+             lambda r: r.parameters > 4 * r.model.psi / r.world + 4 * r.world,
+             lambda r: f"{r.holds}: the parameters take {r.parameters:,} bytes, more than 1/{r.world} of the "
+                       f"model ({4 * r.model.psi / r.world:,.0f}): the blocks are sharded but the root is not, "
+                       "so the embeddings, the final norm and the output layer stay whole on every rank (and "
+                       "each block, left as a root of its own, stays gathered after its forward). Call "
+                       "fully_shard(model, mesh=mesh) after the blocks."),
+    # the root unit's own parameters stay gathered after the forward; a block's must not
+    _Mistake("blocks not sharded",
+             lambda r: r.fit["gathered"] > 4 * r.model.root,
+             lambda r: f"rank {r.rank}: after the forward it still held {r.fit['gathered']:,} bytes of gathered "
+                       "parameters, more than the root module's: the blocks are not FSDP units of their own, "
+                       "so the whole model is one unit, gathered whole for the forward and the backward. Call "
+                       "fully_shard(block, mesh=mesh) on every block before fully_shard(model, mesh=mesh)."),
+)
+
+# Why a rank holds more than the budget, told by what its forward saved for backward.
+OVER_BUDGET_CAUSES = (
+    _Mistake("no checkpointing",
+             lambda r: r.saved >= r.activations(),
+             lambda r: f"the forward saved {r.saved:,} bytes for backward, as much as without any "
+                       "checkpointing: checkpoint every block (checkpoint_blocks(model)), so each keeps "
+                       "only its input and backward recomputes the rest."),
+)
+
+# Checkpointing the whole model in one call saves only the model's input, less than the blocks'
+# inputs that per-block checkpointing keeps, and less than any honest forward saves.
+WHOLE_MODEL_CHECKPOINTED = _Mistake(
+    "whole model checkpointed",
+    lambda r: r.saved < r.activations(checkpoint=True) and not r.saved_like_some_forward(),
+    lambda r: f"rank {r.rank}: the forward saved only {r.saved:,} bytes for backward, less than the "
+              "blocks' inputs: the whole model is checkpointed in one call. Backward then recomputes "
+              "the whole forward at once and holds all of its activations again, so the peak does not "
+              "drop. Checkpoint each block (checkpoint_blocks(model)).")
+
+# Why training ended elsewhere than the unconstrained run, told by the bytes its forward saved for
+# backward: a forward in bf16 saves what the cost model counts for bf16, a micro-batch what it
+# counts for a smaller batch.
+DRIFT_CAUSES = (
+    _Mistake("bf16 compute",
+             lambda r: r.saved in (r.activations(checkpoint=True, precision="bf16"),
+                                   r.activations(precision="bf16")),
+             lambda r: "the forward ran in bf16 (MixedPrecisionPolicy or autocast), which rounds every "
+                       "product to 8 bits of mantissa. Stay in fp32: sharding and checkpointing fit the "
+                       "budget without changing a single bit."),
+    _Mistake("accumulated micro-batches",
+             lambda r: any(r.saved in (r.activations(b), r.activations(b, checkpoint=True))
+                           for b in range(1, r.batch)),
+             lambda r: "the forward saw a smaller batch than the unconstrained run: accumulating "
+                       "micro-batches adds the gradients in another order, so the result differs by "
+                       "rounding (or by a factor if the loss is not divided by the number of "
+                       "micro-batches). Here keep the batch: sharding and checkpointing are enough."),
+)
+
+
+def _check_built(r: _Rank) -> None:
+    """build() returned the colleague's model in fp32, created on the meta device."""
+    _name_the_first(BUILD_MISTAKES, r)
+
+
+def _check_sharded(r: _Rank) -> None:
+    """Every block and then the root are FSDP units: each rank keeps 1/N of the parameters."""
+    _name_the_first(SHARDING_MISTAKES, r)
+
+
+def _check_saved_for_backward(r: _Rank) -> None:
+    """The rank fits the budget, and its forward saved what per-block checkpointing saves."""
+    if r.total > r.budget:
+        otherwise = f"model states {r.fit['held']} and {r.saved:,} bytes saved for backward."
+        raise CheckFailed(f"{r.holds}: {_first_cause(OVER_BUDGET_CAUSES, r, otherwise)}")
+    _name_the_first((WHOLE_MODEL_CHECKPOINTED,), r)
+
+
+def _check_initialised(r: _Rank) -> None:
+    """After to_empty() the model holds the weights `initial` and the buffers __init__ computes."""
+    import torch
+
+    start, initial = r.report["start"], r.report["initial"]
+    if not _tensors_equal(start, initial):
+        raise CheckFailed(
+            f"rank {r.rank}: the model build() returned does not start from the weights `initial` (largest "
+            f"difference {largest_difference(start, initial)[0]:.3g}). After to_empty() the shards hold "
+            "whatever was in that memory: load the weights with "
+            "set_model_state_dict(model, checkpoint, options=StateDictOptions("
+            "full_state_dict=True, broadcast_from_rank0=True)) after to_empty: rank 0 sends each "
+            "rank its shards.")
+    buffers, expected = r.report["buffers"], r.report["expected_buffers"]
+    if not _tensors_equal(buffers, expected):
+        wrong = sorted(n for n in expected if not torch.equal(buffers[n], expected[n]))  # same names: _check_built
+        raise CheckFailed(
+            f"rank {r.rank}: the buffer {', '.join(wrong)} of the model build() returned is not what the "
+            "model computes in __init__. to_empty() allocates the buffers uninitialised, like the "
+            "parameters, and set_model_state_dict cannot fill this one: a buffer registered with "
+            "persistent=False is in no state dict. After to_empty, compute it again, as __init__ does "
+            "(computing it before to_empty does not help: to_empty replaces it).")
+
+
+def _check_trained(r: _Rank) -> None:
+    """Training ended bit for bit where the unconstrained run ended."""
+    if _tensors_equal(r.fit["params"], r.ddp["params"]):
+        return
+    error = largest_difference(r.fit["params"], r.ddp["params"])[0]
+    why = _first_cause(DRIFT_CAUSES, r, "train the same model on the same batches: start from `initial`, "
+                                        "shard with fully_shard, checkpoint per block, and change nothing else.")
+    raise CheckFailed(f"rank {r.rank}: the parameters after training differ from the "
+                      f"unconstrained run by up to {error:.3g}: {why}")
 
 
 def check_fits_budget(results: dict, budget: float) -> None:
@@ -26,121 +257,21 @@ def check_fits_budget(results: dict, budget: float) -> None:
     whole), "buffers" and "expected_buffers" (the built model's buffers and the unconstrained
     model's), "shape" (TinyTransformer's arguments), "batch" and "seq".
     """
-    import torch
-
-    from ..costmodel import activation_bytes, transformer_params
-
     ranks = sorted(results)
     if not ranks:
         raise CheckFailed("no rank reported anything: did the worker call runtime.report(...)?")
     first = results[ranks[0]]
-    shape, world = first["shape"], len(ranks)
-    layers, dim, hidden = shape["n_layers"], shape["dim"], shape["hidden"]
-    psi = transformer_params(layers, dim, hidden, shape["vocab_size"], shape["max_seq_len"])
-    root = psi - layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim)  # embeddings, norm, output
-
-    def activations(batch, **options):
-        return activation_bytes(batch, first["seq"], dim, hidden, layers, shape["n_heads"],
-                                shape["vocab_size"], **options)
-
-    for rank in ranks:
-        fit, ddp, batch = results[rank]["fit"], results[rank]["ddp"], results[rank]["batch"]
-        if fit["dtypes"] != ["torch.float32"]:
-            raise CheckFailed(
-                f"rank {rank}: the parameters are {', '.join(fit['dtypes'])}: casting the model to "
-                "bf16 (model.to(torch.bfloat16)) drops the fp32 master weights, and Adam's small "
-                "updates are rounded away. Keep fp32 parameters (bf16 compute would be "
-                "MixedPrecisionPolicy, but here the result must not change at all).")
-        buffers, expected = results[rank]["buffers"], results[rank]["expected_buffers"]
-        if buffers.keys() != expected.keys():
-            raise CheckFailed(
-                f"rank {rank}: the model build() returned has the buffers {sorted(buffers) or 'none'}, the "
-                f"unconstrained one {sorted(expected)}: build the colleague's model (the class the "
-                "unconstrained run uses), not another one with the same parameters.")
-        if results[rank]["created_on"] != "meta":
-            raise CheckFailed(
-                f"rank {rank} created the whole model on {results[rank]['created_on']} (all "
-                f"{4 * psi:,} bytes of parameters, on every rank) before sharding it: for a model that "
-                "does not fit one GPU, that is the line that fails. Create it under "
-                'with torch.device("meta"): (shapes, no memory), shard it, then model.to_empty(device=...) '
-                "allocates only this rank's shards.")
-        held, saved = fit["held"], fit["saved"]
-        parameters, total = held["parameters"], sum(held.values()) + saved
-        over = f"rank {rank} holds {total:,} bytes ({'over' if total > budget else 'within'} the budget of {budget:,.0f})"
-        if parameters >= 4 * psi:
-            raise CheckFailed(
-                f"{over}: the parameters take {parameters:,} bytes on every rank, the whole model: "
-                "nothing is sharded. Call fully_shard(block, mesh=mesh) on each block and then "
-                "fully_shard(model, mesh=mesh) on the root, so each rank keeps 1/N of the "
-                "parameters, gradients and Adam state.")
-        if parameters > 4 * psi / world + 4 * world:
-            raise CheckFailed(
-                f"{over}: the parameters take {parameters:,} bytes, more than 1/{world} of the model "
-                f"({4 * psi / world:,.0f}): the blocks are sharded but the root is not, so the "
-                "embeddings, the final norm and the output layer stay whole on every rank (and each "
-                "block, left as a root of its own, stays gathered after its forward). Call "
-                "fully_shard(model, mesh=mesh) after the blocks.")
-        if fit["gathered"] > 4 * root:
-            raise CheckFailed(
-                f"rank {rank}: after the forward it still held {fit['gathered']:,} bytes of gathered "
-                "parameters, more than the root module's: the blocks are not FSDP units of their own, so "
-                "the whole model is one unit, gathered whole for the forward and the backward. Call "
-                "fully_shard(block, mesh=mesh) on every block before fully_shard(model, mesh=mesh).")
-        if total > budget:
-            if saved >= activations(batch):
-                why = (f"the forward saved {saved:,} bytes for backward, as much as without any "
-                       "checkpointing: checkpoint every block (checkpoint_blocks(model)), so each keeps "
-                       "only its input and backward recomputes the rest.")
-            else:
-                why = f"model states {held} and {saved:,} bytes saved for backward."
-            raise CheckFailed(f"{over}: {why}")
-        known = {activations(b, checkpoint=c, precision=p) for b in range(1, batch + 1)
-                 for c in (False, True) for p in ("fp32", "autocast", "bf16")}
-        if saved < activations(batch, checkpoint=True) and saved not in known:
-            raise CheckFailed(
-                f"rank {rank}: the forward saved only {saved:,} bytes for backward, less than the "
-                "blocks' inputs: the whole model is checkpointed in one call. Backward then recomputes "
-                "the whole forward at once and holds all of its activations again, so the peak does not "
-                "drop. Checkpoint each block (checkpoint_blocks(model)).")
-
-        if not _tensors_equal(results[rank]["start"], results[rank]["initial"]):
-            raise CheckFailed(
-                f"rank {rank}: the model build() returned does not start from the weights `initial` "
-                "(largest difference "
-                f"{largest_difference(results[rank]['start'], results[rank]['initial'])[0]:.3g}). After "
-                "to_empty() the shards hold whatever was in that memory: load the weights with "
-                "set_model_state_dict(model, checkpoint, options=StateDictOptions("
-                "full_state_dict=True, broadcast_from_rank0=True)) after to_empty: rank 0 sends each "
-                "rank its shards.")
-
-        if not _tensors_equal(buffers, expected):
-            wrong = sorted(n for n in expected if not torch.equal(buffers[n], expected[n]))  # same names: checked above
-            raise CheckFailed(
-                f"rank {rank}: the buffer {', '.join(wrong)} of the model build() returned is not what the "
-                "model computes in __init__. to_empty() allocates the buffers uninitialised, like the "
-                "parameters, and set_model_state_dict cannot fill this one: a buffer registered with "
-                "persistent=False is in no state dict. After to_empty, compute it again, as __init__ does "
-                "(computing it before to_empty does not help: to_empty replaces it).")
-        if not _tensors_equal(fit["params"], ddp["params"]):
-            error = largest_difference(fit["params"], ddp["params"])[0]
-            if saved in (activations(batch, checkpoint=True, precision="bf16"), activations(batch, precision="bf16")):
-                why = ("the forward ran in bf16 (MixedPrecisionPolicy or autocast), which rounds every "
-                       "product to 8 bits of mantissa. Stay in fp32: sharding and checkpointing fit the "
-                       "budget without changing a single bit.")
-            elif any(saved in (activations(b), activations(b, checkpoint=True)) for b in range(1, batch)):
-                why = ("the forward saw a smaller batch than the unconstrained run: accumulating "
-                       "micro-batches adds the gradients in another order, so the result differs by "
-                       "rounding (or by a factor if the loss is not divided by the number of "
-                       "micro-batches). Here keep the batch: sharding and checkpointing are enough.")
-            else:
-                why = ("train the same model on the same batches: start from `initial`, shard with "
-                       "fully_shard, checkpoint per block, and change nothing else.")
-            raise CheckFailed(f"rank {rank}: the parameters after training differ from the "
-                              f"unconstrained run by up to {error:.3g}: {why}")
-    worst = max(sum(results[r]["fit"]["held"].values()) + results[r]["fit"]["saved"] for r in ranks)
-    unconstrained = sum(first["ddp"]["held"].values()) + first["ddp"]["saved"]
+    model = _Model(first["shape"], first["seq"])
+    for rank in ranks:  # every step on one rank before the next rank
+        r = _Rank(rank, results[rank], model, len(ranks), budget)
+        _check_built(r)
+        _check_sharded(r)
+        _check_saved_for_backward(r)
+        _check_initialised(r)
+        _check_trained(r)
+    worst = max(_bytes(results[rank]["fit"]) for rank in ranks)
     passed(f"every rank holds at most {worst:,} bytes (budget {budget:,.0f}; unconstrained "
-           f"{unconstrained:,}) and ends bit for bit where the unconstrained run ends")
+           f"{_bytes(first['ddp']):,}) and ends bit for bit where the unconstrained run ends")
 
 
 def _plan_total(model, seq, micro_batch, shard, precision, checkpoint, states_factor=1.0,

@@ -1,5 +1,10 @@
 """Exercise checks for chapter 05: tensor parallel (a vocabulary-parallel embedding, and a
-parallelize_module plan for the whole TinyTransformer)."""
+parallelize_module plan for the whole TinyTransformer).
+
+Each check is a short list of steps, one per aspect of the answer, in the order a learner
+meets them; a step raises CheckFailed with a message that names the mistake. Mistakes that
+are recognised by the numbers a wrong answer gives are listed in tables (name -> how to
+recognise it -> message)."""
 
 from __future__ import annotations
 
@@ -10,11 +15,220 @@ def _gap(actual, expected) -> str:
     return f"largest difference {(actual.double() - expected.double()).abs().max().item():.3g}"
 
 
+# --- exercise 1: a vocabulary-parallel embedding ---------------------------------------
+
 # The words an out-of-range lookup raises with: IndexError on the CPU, a device-side assert
 # on a GPU.
 _INDEX_ERRORS = ("IndexError", "index out of range", "out of bounds", "device-side assert")
 # What torch warns when backward runs through a dist.* call autograd has no formula for.
 _UNSEEN_COLLECTIVE = "autograd kernel was not registered"
+
+
+def _same(a, b) -> bool:
+    """Exactly equal. Right answers must match exactly, not within a tolerance: every output
+    row is one row of the table plus zeros from the other ranks, and every gradient row sums
+    at most two upstream rows (no token occurs three times); x + 0 and a + b are exact in
+    floating point, in any order. The named mistakes are matched with ``close`` (within
+    float32 rounding), since they sum rows."""
+    import torch
+
+    return a.shape == b.shape and torch.equal(a.double(), b.double())
+
+
+class _VocabSplit:
+    """The unsharded embedding (``reference``) and how ``n`` ranks split its rows: what every
+    step reads, and the outputs that the named mistakes give."""
+
+    def __init__(self, reference: dict, n: int):
+        self.tokens, self.table = reference["tokens"], reference["weight"].double()
+        self.y, self.grad_weight = reference["y"], reference["grad_weight"]
+        self.n, self.vocab, self.dim = n, *self.table.shape
+        self.rows = self.vocab // n  # each rank's share; a rank owns token ids [start, end)
+        self.name = f"vocabulary-parallel embedding on {n} ranks"
+
+    def fail(self, message: str) -> CheckFailed:
+        return CheckFailed(f"{self.name}: {message}")
+
+    def about(self, r: int) -> dict:
+        """What a message says about rank r: its rows are token ids first to last."""
+        return dict(r=r, n=self.n, rows=self.rows, first=r * self.rows, last=(r + 1) * self.rows - 1)
+
+    def rows_of(self, r: int, full):
+        """Rank r's share of the rows of ``full`` (the table, or its gradient)."""
+        return full[r * self.rows:(r + 1) * self.rows]
+
+    def owns(self, r: int):
+        """Which tokens rank r owns: ids in [start, end)."""
+        return (self.tokens >= r * self.rows) & (self.tokens < (r + 1) * self.rows)
+
+    def partial(self, r: int):
+        """Rank r's partial result, before the sum: its tokens' vectors, zeros for the others."""
+        import torch
+
+        return torch.where(self.owns(r).unsqueeze(-1), self.table[self.tokens], 0.0)
+
+    def sum_if_row_zero(self):
+        """The sum over ranks when each rank looks up the tokens it does not own as its row 0
+        and does not zero them."""
+        import torch
+
+        right = self.table[self.tokens]
+        return sum(torch.where(self.owns(q).unsqueeze(-1), right, self.rows_of(q, self.table)[0])
+                   for q in range(self.n))
+
+    def sum_if_clamped(self):
+        """The sum over ranks when each rank clamps every token id into its slice and does not
+        zero the tokens it does not own."""
+        return sum(self.rows_of(q, self.table)[(self.tokens - q * self.rows).clamp(0, self.rows - 1)]
+                   for q in range(self.n))
+
+
+def _not_zeroed(row: str) -> str:
+    return ("rank {r}'s output is each token's vector plus, from every rank that does not own it, "
+            f"the row that rank looked it up as ({row}): the tokens outside [start, end) were not "
+            "zeroed. Zero their vectors (a mask) before the sum.")
+
+
+# The wrong outputs the exercise names, tried in this order on rank r's output y (of the
+# right shape): name -> (does y show it?, the message, formatted with _VocabSplit.about).
+_OUTPUT_MISTAKES = {
+    "partial results not summed": (
+        lambda split, r, y: split.n > 1 and close(y, split.partial(r)),
+        "rank {r}'s output holds only the vectors of its own tokens (ids {first} to {last}), zeros for "
+        "the others: the all-reduce is missing. Sum the partial results over the ranks with "
+        "ReduceFromParallel.apply(partial, self.group)."),
+    "outside tokens not zeroed (looked up as row 0)": (
+        lambda split, r, y: close(y, split.sum_if_row_zero()), _not_zeroed("its row 0")),
+    "outside tokens not zeroed (clamped into the slice)": (
+        lambda split, r, y: close(y, split.sum_if_clamped()), _not_zeroed("a clamped row")),
+}
+
+
+def _world_size(results: dict) -> int:
+    """The world size every rank reported, once every rank has reported."""
+    worlds = {got["world"] for got in results.values() if "world" in got}
+    if len(worlds) != 1:
+        raise CheckFailed(f"no rank reported its world size (got ranks {sorted(results)}): "
+                          "did check_embedding.py start? See the output above.")
+    n = worlds.pop()
+    missing = [r for r in range(n) if r not in results]
+    if missing:
+        raise CheckFailed(f"ranks {missing} of {n} reported nothing: they failed before the layer "
+                          "ran (see their output above).")
+    return n
+
+
+def _errors(results: dict, n: int) -> dict:
+    """rank -> the error it raised, for the ranks that raised."""
+    return {r: results[r]["error"] for r in range(n) if results[r].get("error")}
+
+
+def _check_written(results: dict, split: _VocabSplit) -> None:
+    """No rank stopped at the exercise's `raise NotImplementedError`."""
+    for r, error in _errors(results, split.n).items():
+        if error.startswith("NotImplementedError"):
+            where = results[r].get("where") or "__init__ or forward"
+            raise split.fail(f"VocabParallelEmbedding.{where} still raises NotImplementedError "
+                             f"(rank {r}): write it.")
+
+
+def _check_slices(results: dict, split: _VocabSplit) -> None:
+    """Each rank's slice of the table, as far as __init__ got: rows start..end-1."""
+    vocab, dim, n = split.vocab, split.dim, split.n
+    for r in range(n):
+        weight = results[r].get("weight")
+        if weight is None:
+            continue
+        expected, span = split.rows_of(r, split.table), "rows {first} to {last}".format(**split.about(r))
+        if weight.shape != expected.shape:
+            # (vocab, dim / n) is a split of the columns: recognised from the shape alone
+            hint = (" It is a slice of the EMBEDDING DIMENSION (the columns), ColwiseParallel's split: "
+                    "the vocabulary is the rows, dim 0." if weight.shape == (vocab, dim // n) else "")
+            raise split.fail(f"rank {r} holds a table of shape {tuple(weight.shape)}, expected "
+                             f"{tuple(expected.shape)}: its slice of the vocabulary, {span} of "
+                             f"embedding.weight (vocab_size, dim) = {(vocab, dim)}, "
+                             f"chunk(world_size, dim=0)[rank].{hint}")
+        if not _same(weight, expected):
+            raise split.fail(f"rank {r}'s table has the right shape but not {span} of embedding.weight: "
+                             "take chunk(world_size, dim=0)[rank].")
+
+
+def _check_no_error(results: dict, split: _VocabSplit) -> None:
+    """A rank that raised, told by its first cause: a lookup outside a rank's slice stops that
+    rank, and the others then fail too, waiting for it in the all-reduce."""
+    errors = _errors(results, split.n)
+    if not errors:
+        return
+    looked_outside = [r for r, error in errors.items() if any(w in error for w in _INDEX_ERRORS)]
+    if looked_outside:
+        r = looked_outside[0]
+        raise split.fail(
+            "rank {r} looked up a row its slice does not have ({error}). Its table holds {rows} rows, "
+            "token ids {first} to {last}, as rows 0 to {top}: the tokens were not shifted by start "
+            "(subtract self.start before the lookup), or a token outside [start, end) was looked up as "
+            "it is (give those any valid row first, then zero their vectors). Rank 0 gets away with a "
+            "missing shift: its start is 0.".format(error=errors[r], top=split.rows - 1, **split.about(r)))
+    r, error = next(iter(errors.items()))
+    where = results[r].get("where")
+    raise split.fail(f"rank {r} raised {error}" + (f" in VocabParallelEmbedding.{where}" if where else "")
+                     + " (see its traceback above).")
+
+
+def _check_outputs(results: dict, split: _VocabSplit) -> None:
+    """Every rank returns nn.Embedding's output, exactly; else the first named mistake it shows."""
+    for r in range(split.n):
+        y = results[r].get("y")
+        if y is None:
+            raise split.fail(f"rank {r} reported no output: did forward return one?")
+        if _same(y, split.y):
+            continue
+        if y.shape != split.y.shape:
+            raise split.fail(f"rank {r}'s output has shape {tuple(y.shape)}, expected "
+                             f"{tuple(split.y.shape)} (the tokens' shape, then the embedding dimension).")
+        for shows, message in _OUTPUT_MISTAKES.values():
+            if shows(split, r, y):
+                raise split.fail(message.format(**split.about(r)))
+        raise split.fail(f"rank {r}'s output differs from nn.Embedding's ({_gap(y, split.y)}): check "
+                         "which row each token is looked up as (global id - start) and that the others "
+                         "are zeroed.")
+
+
+def _check_sum_seen_by_autograd(results: dict, split: _VocabSplit) -> None:
+    """A plain dist.all_reduce gives the right output and here, by luck, the right gradient:
+    torch's warning is what tells it apart."""
+    for r in range(split.n):
+        unseen = [w for w in results[r].get("warnings", []) if _UNSEEN_COLLECTIVE in w]
+        if unseen:
+            raise split.fail(
+                f"rank {r} sums with a plain dist.all_reduce on a tensor autograd tracks; torch "
+                f"warned: {unseen[0][:120]!r}... A dist.* call is invisible to autograd: here the "
+                "gradient silently passes through unchanged, right for this sum by luck, and torch "
+                "deprecates even that (a future release detaches the output: no gradient would reach "
+                "the table); the same call elsewhere gives wrong gradients. Use "
+                "ReduceFromParallel.apply(partial, self.group).")
+
+
+def _check_gradients(results: dict, split: _VocabSplit) -> None:
+    """Every rank gets its rows of the table's gradient, exactly."""
+    n = split.n
+    for r in range(n):
+        grad, expected = results[r].get("grad_weight"), split.rows_of(r, split.grad_weight)
+        if grad is None:
+            raise split.fail(
+                f"rank {r}'s table got no gradient: backward never reached it. A dist.all_reduce "
+                "on a detached copy (or under no_grad) cuts the graph: sum the partial results with "
+                "ReduceFromParallel.apply(partial, self.group), whose backward passes the gradient on.")
+        if _same(grad, expected):
+            continue
+        if n > 1 and close(grad, n * expected):  # the sum's backward all-reduced the gradient again
+            raise split.fail(
+                f"rank {r}'s table gradient is exactly world_size = {n} times too big: the "
+                "backward of the sum all-reduces the gradient again (torch.distributed.nn.functional."
+                "all_reduce does). Every rank already holds the whole gradient of the sum: its backward "
+                "is the identity, as in ReduceFromParallel.")
+        raise split.fail(f"rank {r}'s table gradient is wrong ({_gap(grad, expected)}); each row "
+                         "must get the upstream gradients of the tokens it owns (summed when a token "
+                         "repeats) and nothing from the others.")
 
 
 def check_vocab_parallel_embedding(results: dict, reference: dict) -> None:
@@ -25,128 +239,18 @@ def check_vocab_parallel_embedding(results: dict, reference: dict) -> None:
     ``grad_weight`` (the gradient of its slice), ``warnings``, or ``error`` and ``where``
     (the method of the layer that raised). ``reference``: ``tokens``, ``y``, ``weight`` and
     ``grad_weight`` of the plain nn.Embedding, computed on one process with the same numbers.
-
-    Right answers must match exactly, not within a tolerance: every output row is one row of
-    the table plus zeros from the other ranks, and every gradient row sums at most two upstream
-    rows (no token occurs three times); x + 0 and a + b are exact in floating point, in any
-    order. The named mistakes are matched within float32 rounding, since they sum rows.
+    Right answers must match exactly (see ``_same``).
     """
-    import torch
-
-    ref = {k: v.detach() for k, v in reference.items()}
-    tokens, table = ref["tokens"], ref["weight"].double()
-    worlds = {got["world"] for got in results.values() if "world" in got}
-    if len(worlds) != 1:
-        raise CheckFailed(f"no rank reported its world size (got ranks {sorted(results)}): "
-                          "did check_embedding.py start? See the output above.")
-    n = worlds.pop()
-    missing = [r for r in range(n) if r not in results]
-    if missing:
-        raise CheckFailed(f"ranks {missing} of {n} reported nothing: they failed before the layer "
-                          "ran (see their output above).")
-    name = f"vocabulary-parallel embedding on {n} ranks"
-    vocab, dim = table.shape
-    rows = vocab // n
-    same = lambda a, b: a.shape == b.shape and torch.equal(a.double(), b.double())  # noqa: E731
-
-    errors = {r: results[r]["error"] for r in range(n) if results[r].get("error")}
-    for r, error in errors.items():
-        if error.startswith("NotImplementedError"):
-            where = results[r].get("where") or "__init__ or forward"
-            raise CheckFailed(f"{name}: VocabParallelEmbedding.{where} still raises NotImplementedError "
-                              f"(rank {r}): write it.")
-
-    for r in range(n):  # the slice of the table, as far as __init__ got
-        weight = results[r].get("weight")
-        if weight is None:
-            continue
-        expected = table[r * rows:(r + 1) * rows]
-        if weight.shape != expected.shape:
-            hint = (" It is a slice of the EMBEDDING DIMENSION (the columns), ColwiseParallel's split: "
-                    "the vocabulary is the rows, dim 0." if weight.shape == (vocab, dim // n) else "")
-            raise CheckFailed(f"{name}: rank {r} holds a table of shape {tuple(weight.shape)}, expected "
-                              f"{tuple(expected.shape)}: its slice of the vocabulary, rows {r * rows} to "
-                              f"{(r + 1) * rows - 1} of embedding.weight (vocab_size, dim) = {(vocab, dim)}, "
-                              f"chunk(world_size, dim=0)[rank].{hint}")
-        if not same(weight, expected):
-            raise CheckFailed(f"{name}: rank {r}'s table has the right shape but not rows {r * rows} to "
-                              f"{(r + 1) * rows - 1} of embedding.weight: take chunk(world_size, dim=0)[rank].")
-
-    if errors:  # the first cause, not a rank that failed because another one stopped
-        r, error = next(((r, e) for r, e in errors.items() if any(w in e for w in _INDEX_ERRORS)),
-                        next(iter(errors.items())))
-        where = results[r].get("where")
-        if any(w in error for w in _INDEX_ERRORS):
-            raise CheckFailed(
-                f"{name}: rank {r} looked up a row its slice does not have ({error}). Its table holds "
-                f"{rows} rows, token ids {r * rows} to {(r + 1) * rows - 1}, as rows 0 to {rows - 1}: "
-                "the tokens were not shifted by start (subtract self.start before the lookup), or a "
-                "token outside [start, end) was looked up as it is (give those any valid row first, "
-                "then zero their vectors). Rank 0 gets away with a missing shift: its start is 0.")
-        raise CheckFailed(f"{name}: rank {r} raised {error}"
-                          + (f" in VocabParallelEmbedding.{where}" if where else "") + " (see its traceback above).")
-
-    inside = [(tokens >= r * rows) & (tokens < (r + 1) * rows) for r in range(n)]
-    own = [torch.where(inside[r].unsqueeze(-1), table[tokens], 0.0) for r in range(n)]
-    for r in range(n):
-        y = results[r].get("y")
-        if y is None:
-            raise CheckFailed(f"{name}: rank {r} reported no output: did forward return one?")
-        if same(y, ref["y"]):
-            continue
-        if y.shape != ref["y"].shape:
-            raise CheckFailed(f"{name}: rank {r}'s output has shape {tuple(y.shape)}, expected "
-                              f"{tuple(ref['y'].shape)} (the tokens' shape, then the embedding dimension).")
-        if n > 1 and close(y, own[r]):
-            raise CheckFailed(
-                f"{name}: rank {r}'s output holds only the vectors of its own tokens "
-                f"(ids {r * rows} to {(r + 1) * rows - 1}), zeros for the others: the all-reduce is "
-                "missing. Sum the partial results over the ranks with ReduceFromParallel.apply(partial, "
-                "self.group).")
-        local = lambda r, t: table[r * rows:(r + 1) * rows][t]  # noqa: E731 - row t of rank r's slice
-        row_zero = sum(torch.where(inside[q].unsqueeze(-1), table[tokens], local(q, 0)) for q in range(n))
-        clamped = sum(local(q, (tokens - q * rows).clamp(0, rows - 1)) for q in range(n))
-        if close(y, row_zero) or close(y, clamped):
-            raise CheckFailed(
-                f"{name}: rank {r}'s output is each token's vector plus, from every rank that does not "
-                f"own it, the row that rank looked it up as ({'its row 0' if close(y, row_zero) else 'a clamped row'}): "
-                "the tokens outside [start, end) were not zeroed. Zero their vectors (a mask) before "
-                "the sum.")
-        raise CheckFailed(f"{name}: rank {r}'s output differs from nn.Embedding's ({_gap(y, ref['y'])}): "
-                          "check which row each token is looked up as (global id - start) and that "
-                          "the others are zeroed.")
-
-    for r in range(n):
-        unseen = [w for w in results[r].get("warnings", []) if _UNSEEN_COLLECTIVE in w]
-        if unseen:
-            raise CheckFailed(
-                f"{name}: rank {r} sums with a plain dist.all_reduce on a tensor autograd tracks; torch "
-                f"warned: {unseen[0][:120]!r}... A dist.* call is invisible to autograd: here the "
-                "gradient silently passes through unchanged, right for this sum by luck, and torch "
-                "deprecates even that (a future release detaches the output: no gradient would reach "
-                "the table); the same call elsewhere gives wrong gradients. Use "
-                "ReduceFromParallel.apply(partial, self.group).")
-
-    for r in range(n):
-        grad, expected = results[r].get("grad_weight"), ref["grad_weight"][r * rows:(r + 1) * rows]
-        if grad is None:
-            raise CheckFailed(
-                f"{name}: rank {r}'s table got no gradient: backward never reached it. A dist.all_reduce "
-                "on a detached copy (or under no_grad) cuts the graph: sum the partial results with "
-                "ReduceFromParallel.apply(partial, self.group), whose backward passes the gradient on.")
-        if same(grad, expected):
-            continue
-        if n > 1 and close(grad, n * expected):
-            raise CheckFailed(
-                f"{name}: rank {r}'s table gradient is exactly world_size = {n} times too big: the "
-                "backward of the sum all-reduces the gradient again (torch.distributed.nn.functional."
-                "all_reduce does). Every rank already holds the whole gradient of the sum: its backward "
-                "is the identity, as in ReduceFromParallel.")
-        raise CheckFailed(f"{name}: rank {r}'s table gradient is wrong ({_gap(grad, expected)}); each row "
-                          "must get the upstream gradients of the tokens it owns (summed when a token "
-                          "repeats) and nothing from the others.")
-    passed(f"{name}: every rank holds its {rows} rows of the table, returns nn.Embedding's output "
-           "and gets its rows of the table's gradient, exactly")
+    reference = {k: v.detach() for k, v in reference.items()}
+    split = _VocabSplit(reference, _world_size(results))
+    _check_written(results, split)
+    _check_slices(results, split)
+    _check_no_error(results, split)  # after the slices: a wrong slice is the cause of what fails later
+    _check_outputs(results, split)
+    _check_sum_seen_by_autograd(results, split)
+    _check_gradients(results, split)
+    passed(f"{split.name}: every rank holds its {split.rows} rows of the table, returns nn.Embedding's "
+           "output and gets its rows of the table's gradient, exactly")
 
 
 # --- exercise 2: a parallelize_module plan for the whole TinyTransformer ---------------
@@ -154,6 +258,9 @@ def check_vocab_parallel_embedding(results: dict, reference: dict) -> None:
 # Megatron's count per transformer layer: one all-reduce after attention and one after the
 # MLP in forward, the same two (of the input gradients) in backward.
 _PER_LAYER = {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+# How many column layers read each region's input: when they do not share one replicated
+# input, backward all-reduces the input gradient once per column layer, inside the region.
+_COLUMN_LAYERS = {"attention": 3, "feed_forward": 2}
 
 
 def _style_of(plan: dict, target: str):
@@ -192,6 +299,105 @@ def _named_plan_mistake(plan: dict) -> str | None:
     return None
 
 
+def _ranks_that_ran(results: dict, plan: str) -> list:
+    ranks = sorted(results)
+    if not ranks or any(plan not in results[r].get("plans", {}) for r in ranks):
+        raise CheckFailed(f"no result for {plan!r} from every rank: did check_plan.py run to the end?")
+    return ranks
+
+
+def _unsharded(config: dict, tokens):
+    """The unsharded TinyTransformer the worker built (same seed, float64), after one backward
+    of the worker's loss; and its logits."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..models import TinyTransformer
+
+    torch.manual_seed(0)
+    model = TinyTransformer(**config).double()
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return model, logits
+
+
+def _check_ran(got: dict, where: str, named: str | None) -> None:
+    if got["error"]:
+        if "NotImplementedError" in got["error"]:
+            raise CheckFailed("parallelize() still raises NotImplementedError: write the plan.")
+        raise CheckFailed(where + (named or "the sharded model failed") + f"\n(it raised {got['error']})")
+
+
+def _check_numbers(got: dict, where: str, named: str | None, unsharded, logits, rtol: float,
+                   atol: float) -> None:
+    """Logits and every gradient against the unsharded model's; a named plan mistake says why."""
+    import torch
+
+    y = got["logits"]
+    if y.shape != logits.shape:
+        raise CheckFailed(where + (named or f"the logits have shape {tuple(y.shape)}, expected "
+                                   f"{tuple(logits.shape)}: every rank must see all of them "
+                                   "(output_layouts=Replicate())."))
+    if not torch.allclose(y.double(), logits.detach(), rtol=rtol, atol=atol):
+        gap = (y.double() - logits.detach()).abs().max().item()
+        raise CheckFailed(where + (named or "the logits differ from the unsharded model's") +
+                          f" (largest difference {gap:.3g})")
+    for name, param in unsharded.named_parameters():
+        grad = got["grads"].get(name)
+        if grad is None or not torch.allclose(grad.double(), param.grad, rtol=rtol, atol=atol):
+            raise CheckFailed(where + f"the gradient of {name} differs from the unsharded model's" +
+                              (f": {named}" if named else "."))
+
+
+def _check_rank(got: dict, where: str, unsharded, logits, rtol: float, atol: float) -> None:
+    """One rank's run of the plan: it sharded something, ran, and computed the unsharded
+    model's numbers. A plan mistake recognised from the styles comes first in every message:
+    it is the cause, the numbers only its symptom."""
+    if not got["plan"] and not got["error"]:
+        raise CheckFailed("parallelize() never called parallelize_module: nothing is sharded.")
+    named = _named_plan_mistake(got["plan"])
+    _check_ran(got, where, named)
+    _check_numbers(got, where, named, unsharded, logits, rtol, atol)
+
+
+def _check_all_sharded(placements: dict, unsharded) -> int:
+    """Every weight but the norms' and the position embedding's is sharded; returns how many."""
+    must_shard = [n for n, p in unsharded.named_parameters()
+                  if n.endswith("weight") and ("norm" not in n) and ("pos_embeddings" not in n)]
+    plain = [n for n in must_shard if "Shard" not in placements.get(n, "")]
+    if plain:
+        raise CheckFailed(f"{len(plain)} weight{'s are' if len(plain) > 1 else ' is'} not sharded, e.g. "
+                          f"{plain[0]}: every rank holds all of it. "
+                          "Tensor parallel splits every linear layer and the token embedding "
+                          "(RowwiseParallel(input_layouts=Replicate()) splits the vocabulary).")
+    return len(must_shard)
+
+
+def _why_extra_all_reduces(comm: dict, fqn: str) -> str:
+    """The hint for a layer with other collectives than Megatron's: the regions whose column
+    layers each all-reduced their own input gradient, when that shows."""
+    extra = [f"{region} all-reduces {columns} input gradients in backward, one per column layer"
+             for region, columns in _COLUMN_LAYERS.items()
+             if comm.get(f"{fqn}.{region}", {}).get("backward", {}).get("all_reduce", 0) == columns]
+    if not extra:
+        return (" Megatron's layer needs one all-reduce after attention and one after the MLP, in forward "
+                "and in backward.")
+    return ("; ".join(extra) + ". Give the module one shared replicated input: "
+            "PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate(), "
+            "use_local_output=False) on it, so its input gradient is all-reduced once.")
+
+
+def _check_collectives(comm: dict, n_layers: int) -> None:
+    """Megatron's two all-reduces per layer in forward and two in backward (CommDebugMode's counts)."""
+    for layer in range(n_layers):
+        fqn = f"TinyTransformer.layers.{layer}"
+        counts = comm.get(fqn, {"forward": {}, "backward": {}})
+        if counts != _PER_LAYER:
+            raise CheckFailed(f"layers.{layer} does forward {counts['forward']} and backward "
+                              f"{counts['backward']}, expected {_PER_LAYER['forward']} and "
+                              f"{_PER_LAYER['backward']}: " + _why_extra_all_reduces(comm, fqn))
+
+
 def check_tp_plan(results: dict, plan: str = "tp_plan", rtol: float = 1e-9, atol: float = 1e-12) -> None:
     """Check a ``parallelize(model, mesh)`` plan for the TinyTransformer from what check_plan.py
     reported (``launch(...).reports``): outputs and gradients against the unsharded model,
@@ -201,74 +407,13 @@ def check_tp_plan(results: dict, plan: str = "tp_plan", rtol: float = 1e-9, atol
     the unsharded one, and in float64 that changes a result by a few units of 2**-53 times
     the sizes summed, far below ``rtol``; each mistake named here changes it by 1e-3 or more.
     """
-    import torch
-    import torch.nn.functional as F
-
-    from ..models import TinyTransformer
-
-    ranks = sorted(results)
-    if not ranks or any(plan not in results[r].get("plans", {}) for r in ranks):
-        raise CheckFailed(f"no result for {plan!r} from every rank: did check_plan.py run to the end?")
-    config, tokens = results[0]["config"], results[0]["tokens"]
-    torch.manual_seed(0)
-    reference = TinyTransformer(**config).double()
-    logits = reference(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    n = len(ranks)
-
+    ranks = _ranks_that_ran(results, plan)
+    config = results[0]["config"]
+    unsharded, logits = _unsharded(config, results[0]["tokens"])
     for r in ranks:
-        got = results[r]["plans"][plan]
-        where = f"rank {r} of {n}: "
-        if not got["plan"] and not got["error"]:
-            raise CheckFailed("parallelize() never called parallelize_module: nothing is sharded.")
-        named = _named_plan_mistake(got["plan"])
-        if got["error"]:
-            if "NotImplementedError" in got["error"]:
-                raise CheckFailed("parallelize() still raises NotImplementedError: write the plan.")
-            raise CheckFailed(where + (named or "the sharded model failed") + f"\n(it raised {got['error']})")
-        y = got["logits"]
-        if y.shape != logits.shape:
-            message = named or (f"the logits have shape {tuple(y.shape)}, expected {tuple(logits.shape)}: "
-                                "every rank must see all of them (output_layouts=Replicate()).")
-            raise CheckFailed(where + message)
-        if not torch.allclose(y.double(), logits.detach(), rtol=rtol, atol=atol):
-            gap = (y.double() - logits.detach()).abs().max().item()
-            raise CheckFailed(where + (named or "the logits differ from the unsharded model's") +
-                              f" (largest difference {gap:.3g})")
-        for name, param in reference.named_parameters():
-            grad = got["grads"].get(name)
-            if grad is None or not torch.allclose(grad.double(), param.grad, rtol=rtol, atol=atol):
-                raise CheckFailed(where + f"the gradient of {name} differs from the unsharded model's" +
-                                  (f": {named}" if named else "."))
-
-    got = results[0]["plans"][plan]
-    must_shard = [n for n, p in reference.named_parameters()
-                  if n.endswith("weight") and ("norm" not in n) and ("pos_embeddings" not in n)]
-    plain = [n for n in must_shard if "Shard" not in got["placements"].get(n, "")]
-    if plain:
-        raise CheckFailed(f"{len(plain)} weight{'s are' if len(plain) > 1 else ' is'} not sharded, e.g. "
-                          f"{plain[0]}: every rank holds all of it. "
-                          "Tensor parallel splits every linear layer and the token embedding "
-                          "(RowwiseParallel(input_layouts=Replicate()) splits the vocabulary).")
-
-    for layer in range(config["n_layers"]):
-        fqn = f"TinyTransformer.layers.{layer}"
-        counts = got["comm"].get(fqn, {"forward": {}, "backward": {}})
-        if counts == _PER_LAYER:
-            continue
-        extra = []
-        for region, columns in (("attention", 3), ("feed_forward", 2)):
-            inner = got["comm"].get(f"{fqn}.{region}", {}).get("backward", {}).get("all_reduce", 0)
-            if inner == columns:
-                extra.append(f"{region} all-reduces {columns} input gradients in backward, one per "
-                             "column layer")
-        hint = ("; ".join(extra) + ". Give the module one shared replicated input: "
-                "PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate(), "
-                "use_local_output=False) on it, so its input gradient is all-reduced once."
-                if extra else " Megatron's layer needs one all-reduce after attention and one after the "
-                "MLP, in forward and in backward.")
-        raise CheckFailed(f"layers.{layer} does forward {counts['forward']} and backward {counts['backward']}, "
-                          f"expected {_PER_LAYER['forward']} and {_PER_LAYER['backward']}: " + hint)
-    passed(f"plan {plan!r} on {n} ranks: logits, loss and all {len(must_shard)} sharded weights' gradients "
+        _check_rank(results[r]["plans"][plan], f"rank {r} of {len(ranks)}: ", unsharded, logits, rtol, atol)
+    got = results[0]["plans"][plan]  # placements and collectives are the same on every rank
+    sharded = _check_all_sharded(got["placements"], unsharded)
+    _check_collectives(got["comm"], config["n_layers"])
+    passed(f"plan {plan!r} on {len(ranks)} ranks: logits, loss and all {sharded} sharded weights' gradients "
            "match the unsharded model, 2 all-reduces per layer forward and 2 backward")

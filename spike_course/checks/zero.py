@@ -1,5 +1,5 @@
 """Exercise checks for chapter 06: fully sharded data parallel (ZeRO-1 by hand; an FSDP2
-checkpoint saved on N ranks and loaded on one process)."""
+checkpoint saved on N ranks that a job on another number of ranks resumes exactly)."""
 
 from __future__ import annotations
 
@@ -87,186 +87,223 @@ def check_zero1(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
 
 # --- exercise 2: an FSDP2 checkpoint that outlives its job's shape ---
 
-ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
-SAVE_RECIPE = ("model_state, optimizer_state = get_state_dict(model, optimizer), then "
-               "dcp.save({\"model\": model_state, \"optimizer\": optimizer_state}, "
-               "checkpoint_id=args.checkpoint) on every rank")
-LOAD_RECIPE = ("dcp.load the dicts that get_state_dict(model, optimizer) returns (one call, model and "
-               "optimizer together), then set_state_dict(model, optimizer, model_state_dict=..., "
-               "optim_state_dict=...)")
+U = 2.0 ** -24  # float32's unit roundoff
+UPDATE_SHARE = 1e-3  # of the resumed steps' update: see _check_continued
 
 
-def _check_units(units: set, params: dict) -> None:
-    blocks = sorted({m.group(1) for name in params if (m := re.match(r"(layers\.\d+)\.", name))})
-    if not units:
-        raise CheckFailed("no module is an FSDP unit: fully_shard was never called, so every rank "
-                          "trains a whole, unsharded copy. Call fully_shard(block, mesh=mesh) on each "
-                          "block of model.layers, then fully_shard(model, mesh=mesh).")
-    if "" not in units:
-        raise CheckFailed(f"the blocks are FSDP units ({', '.join(sorted(units))}) but the root is not: "
-                          "the embeddings, the final norm and the output layer stay plain tensors on every "
-                          "rank, and nothing averages their gradients, so the ranks drift apart. Call "
-                          "fully_shard(model, mesh=mesh) after the blocks.")
-    unwrapped = [b for b in blocks if b not in units]
-    if unwrapped:
-        raise CheckFailed(
-            f"{', '.join(unwrapped)} {'is' if len(unwrapped) == 1 else 'are'} not FSDP units of "
-            f"{'its' if len(unwrapped) == 1 else 'their'} own (the units: "
-            f"{', '.join(u or 'the root' for u in sorted(units))}): the root's unit then holds those blocks' "
-            "parameters, and its forward gathers them all at once, so at its peak a rank holds them whole, "
-            "as in DDP. Call fully_shard(block, mesh=mesh) on each block of model.layers first, then on "
-            "the model.")
+def _global_batch(step: int, samples: int, global_batch: int) -> list[int]:
+    """The sample ids of a step of the uninterrupted job: the sampler's shuffle of the step's
+    epoch, one global batch after another (what every number of ranks deals out among itself)."""
+    from torch.utils.data import DistributedSampler
+
+    epoch, done = divmod(step, samples // global_batch)
+    order = DistributedSampler(range(samples), num_replicas=1, rank=0, shuffle=True, seed=0)
+    order.set_epoch(epoch)
+    return sorted(list(order)[done * global_batch:(done + 1) * global_batch])
 
 
-def _check_trained(first: dict, params: dict) -> None:
+def _check_samples(reports: dict, job: str, steps: range, samples: int, global_batch: int) -> None:
+    """Every step of ``steps`` trained, all ranks together, exactly its global batch."""
     import torch
 
-    if all(torch.equal(params[n], first["initial"][n]) for n in params):
+    per_epoch = samples // global_batch
+    trained = sorted(reports[0].get("trained", {}))
+    if trained != list(steps):
+        raise CheckFailed(f"the {job} trained steps {trained}, not {list(steps)}: batches(start) gave too few or "
+                          "too many steps, or the wrong ones (Hint 3).")
+    for step in steps:
+        got = sorted(torch.cat([reports[r]["trained"][step]["ids"] for r in sorted(reports)]).tolist())
+        if got == _global_batch(step, samples, global_batch):
+            continue
+        if len(set(got)) != len(got) or len(got) != global_batch:
+            raise CheckFailed(
+                f"in step {step} of the {job} the ranks trained {len(got)} samples, {len(set(got))} of them "
+                f"different: a step is one global batch of {global_batch} different samples, dealt out to the "
+                "ranks by the sampler (Hint 1).")
+        same = [t for t in range(steps.stop) if _global_batch(t, samples, global_batch) == got]
+        epoch = step // per_epoch
+        if same and same[0] % per_epoch == step % per_epoch:
+            raise CheckFailed(
+                f"step {step} of the {job} (epoch {epoch}) trained the very samples of step {same[0]} (epoch "
+                f"{same[0] // per_epoch}): epoch {epoch} was dealt out in the shuffle of epoch "
+                f"{same[0] // per_epoch}, not in its own (Hint 2).")
+        if same and same[0] < step:
+            raise CheckFailed(
+                f"step {step} of the {job} trained again the samples of step {same[0]}, which were trained "
+                f"already, and the samples of step {step} were skipped: the data did not continue where the "
+                "checkpoint left it (Hint 1).")
         raise CheckFailed(
-            "the model never trained: after the steps its parameters are still the initial ones, and "
-            "Adam holds no state for them. The optimizer was created before fully_shard: fully_shard "
-            "replaces every parameter of the module with a new, sharded one (a DTensor), so Adam steps "
-            "the old tensors, which get no gradients (and get_state_dict then fails with a KeyError on "
-            "them). Build the optimizer after sharding.")
+            f"step {step} of the {job} trained samples that are no global batch of the uninterrupted job: "
+            f"its {samples} samples make {per_epoch} global batches of {global_batch} per epoch, in the "
+            "sampler's shuffle of that epoch, and step s takes the next one. Where the data continues must "
+            "not depend on how many ranks deal each global batch out (Hint 1).")
 
 
-def _check_files(path: Path, world: int, params: dict) -> None:
+def _check_layout(path: Path, world: int, params: dict) -> list:
+    """The checkpoint is DCP's, every rank wrote its own shards, and the optimizer state is keyed
+    by name. Returns the checkpoint's keys."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not path.exists():
-        raise CheckFailed(f"nothing was saved at {path}: save to args.checkpoint ({SAVE_RECIPE}).")
+        raise CheckFailed(f"nothing was saved at {path}: save(step) writes the checkpoint to "
+                          "args.checkpoint (Hint 2).")
     files = sorted(f.name for f in path.iterdir()) if path.is_dir() else [path.name]
     if not (path / ".metadata").is_file():
         raise CheckFailed(
-            f"{path} holds {files}, no .metadata: that is not a DCP checkpoint. torch.save on one rank "
-            "writes that rank's view only (with FSDP, its shards, or whole tensors gathered through one "
-            "process's memory), and nothing records how the pieces fit together. Use DCP: "
-            f"{SAVE_RECIPE}. Each rank writes its own shards in parallel, and .metadata records where every "
-            "piece of every tensor lives, which is what lets another sharding load it.")
+            f"{path} holds {files}, no .metadata: that is not a DCP checkpoint. A file that one rank writes "
+            "(torch.save) holds that rank's view only, its shards or whole tensors gathered through its "
+            "memory, and nothing records how the pieces fit together: a job of another shape cannot load "
+            "it piece by piece (Hint 2).")
     shards = [f for f in files if f.endswith(".distcp")]
     if len(shards) != world:
-        raise CheckFailed(f"{path} holds {len(shards)} shard files for {world} ranks: every rank must call "
-                          f"dcp.save (a collective), each writing its own shards.")
-    keys = list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        raise CheckFailed(f"{path} holds {len(shards)} shard files for {world} ranks: the save is a collective "
+                          "that every rank takes part in, each writing its own shards (Hint 2).")
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    keys = list(metadata)
     lacking = [n for n in params if not any(k == n or k.endswith("." + n) for k in keys)]
     if lacking:
         raise CheckFailed(f"the checkpoint has no entry for {len(lacking)} of the model's parameters (e.g. "
-                          f"{lacking[0]!r}): save the whole model state, {SAVE_RECIPE}.")
-    if any(re.search(r"\.state\.\d+\.exp_avg$", k) for k in keys):
+                          f"{lacking[0]!r}): it does not hold the model's state (Hint 2).")
+    if any(re.search(r"\.state\.\d+\.momentum_buffer$", k) for k in keys):
         raise CheckFailed(
             "the optimizer state in the checkpoint is keyed by parameter numbers (optimizer.state_dict() "
-            "numbers the parameters 0, 1, 2, ...), not names: a number means nothing to a model built or "
-            "sharded another way, so no other job can match it. get_state_dict(model, optimizer) keys it "
-            f"by parameter name, as the model's own state: {SAVE_RECIPE}.")
-    if not any(k.endswith(".exp_avg") for k in keys):
+            "numbers the parameters 0, 1, 2, ...), not by name: a number means nothing to a model built or "
+            "sharded another way, so no job of another shape can match it (Hint 2).")
+    if not any(k.endswith(".momentum_buffer") for k in keys):
         raise CheckFailed(
-            "the checkpoint holds the model but no optimizer state: a job resumed from it would restart "
-            "Adam from zero moments and step 0, a jolt in its training (and the step count of its bias "
-            f"correction lost). Save both: {SAVE_RECIPE}.")
+            "the checkpoint holds the model but no optimizer state: a job resumed from it restarts SGD's "
+            "momentum from zero, a jolt in its training that the uninterrupted job never had (Hint 1).")
+    tensors = [m for m in metadata.values() if isinstance(m, TensorStorageMetadata) and len(m.size)
+               and m.size[0] >= world]
+    if world > 1 and all(len(m.chunks) == 1 and tuple(m.chunks[0].sizes) == tuple(m.size) for m in tensors):
+        raise CheckFailed(
+            f"every tensor in the checkpoint was written as one whole piece, none as the {world} shards the "
+            "ranks hold: the state was gathered whole before the save (a full state dict, or full_tensor()), "
+            "so each rank held the whole model and optimizer state at once, the memory FSDP is there to "
+            "avoid, and on a model that needs sharding that gather runs out of memory. DCP reshards a "
+            "sharded save by itself when it loads (Hint 2).")
+    return keys
 
 
-def _load(load, path: Path):
+def _check_loaded(resumed: dict, saved: dict, keys: list) -> None:
+    """Right after resume(): everything the next step depends on, bit for bit."""
     import torch
 
-    try:
-        loaded = load(str(path))
-    except NotImplementedError as error:
-        raise CheckFailed("load_on_one_process is not written yet: replace the `raise "
-                          "NotImplementedError` line with your code.") from error
-    if (not isinstance(loaded, tuple) or len(loaded) != 2 or not isinstance(loaded[0], torch.nn.Module)
-            or not isinstance(loaded[1], torch.optim.Optimizer)):
-        raise CheckFailed(f"the load function returned {type(loaded).__name__}: return (model, optimizer).")
-    return loaded
-
-
-def _check_model(model, first: dict) -> dict:
-    import torch
-
-    loaded = dict(model.named_parameters())
-    if loaded.keys() != first["params"].keys():
-        raise CheckFailed("the loaded model's parameters are not the saved model's "
-                          f"({len(loaded)} vs {len(first['params'])} names): build the same TinyTransformer.")
-    differ = [name for name, p in loaded.items() if not torch.equal(p.detach(), first["params"][name])]
-    if len(differ) == len(loaded):
+    loaded, before = resumed["loaded"], saved["saved"]
+    differ = [n for n, p in before["params"].items() if not torch.equal(loaded["params"][n], p)]
+    if len(differ) == len(before["params"]):
         raise CheckFailed(
-            "the loaded model holds none of the saved weights: nothing was loaded into it. dcp.load fills, "
-            "in place, the tensors of the dict you pass it (loading into copies leaves the model as it "
-            f"was): {LOAD_RECIPE}.")
+            "after resume() the model holds none of the saved weights: nothing was loaded into it. DCP loads "
+            "in place, into the tensors of the dict it is given (Hint 2).")
     if differ:
-        name = differ[0]
-        gap = (loaded[name].detach().double() - first["params"][name].double()).abs().max().item()
+        raise CheckFailed(f"after resume() {len(differ)} of {len(before['params'])} weights differ from the saved "
+                          f"ones (e.g. {differ[0]}): loading copies bits, so all must be equal (Hint 2).")
+    momentum = loaded["momentum"]
+    if set(momentum) != set(before["momentum"]) or not any(m.any() for m in momentum.values()):
         raise CheckFailed(
-            f"the loaded {name} differs from the saved one by up to {gap:.2e} ({len(differ)} of "
-            f"{len(loaded)} parameters differ). Loading copies the saved values, with no arithmetic, so "
-            "they must be equal bit for bit: load the checkpoint the workers just wrote into a fresh "
-            "model, and do not train or change it afterwards.")
-    return loaded
+            "after resume() SGD's momentum is all zeros (or missing): the model was loaded, the optimizer "
+            "state was not, so the resumed job restarts its momentum from nothing (Hint 2).")
+    wrong = [n for n, m in before["momentum"].items() if not torch.equal(momentum[n], m)]
+    if wrong:
+        raise CheckFailed(f"after resume() the momentum of {wrong[0]} (and {len(wrong) - 1} more) is not the saved "
+                          "one: it must come back bit for bit (Hint 2).")
+    if loaded["lr"] != before["lr"]:
+        raise CheckFailed(
+            f"after resume() the optimizer's learning rate is {loaded['lr']:.6g}, the saved job's was "
+            f"{before['lr']:.6g}: the optimizer's hyperparameters (its param_groups) were not put back, only "
+            "its tensors, so the next step runs with the fresh scheduler's first value (Hint 2).")
+    if loaded["schedule_step"] != before["schedule_step"]:
+        stored = [k for k in keys if k.endswith("last_epoch")]
+        where = (f"the checkpoint holds it ({stored[0]}) but it never reached this job's scheduler" if stored
+                 else "the checkpoint holds no learning-rate schedule")
+        raise CheckFailed(
+            f"after resume() the scheduler stands at step {loaded['schedule_step']}, the saved job's stood at "
+            f"{before['schedule_step']}: {where}. The resumed job's learning rate would follow the schedule "
+            "from its start again, warmup included (Hint 1).")
 
 
-def _check_optimizer(optimizer, loaded: dict, first: dict) -> None:
+def _check_continued(resumed: dict, saved: dict, start: int) -> float:
+    """The resumed job's last weights against the uninterrupted job's; returns the share of the
+    tolerance used.
+
+    Both jobs start these steps from the same bits, train on the same samples with the same
+    learning rates: only the sums differ. Each gradient entry is a sum over the global batch's
+    terms (32 samples of 16 positions, n = 512), grouped by 2 ranks in halves and by 4 in
+    quarters, and regrouping a sum of n terms changes it by at most (n - 1)u of the sum of their
+    magnitudes, about 3e-5: that share of each step's update where the terms do not cancel.
+    UPDATE_SHARE = 1e-3 of the update leaves room for terms that cancel up to a factor of 30.
+    Each job also rounds every weight once per step: up to 2 S u |w| apart after S steps.
+    """
     import torch
 
-    state = {name: optimizer.state[p] for name, p in loaded.items() if p in optimizer.state}
-    if not any(state.values()):
+    final, expected, at_save = resumed["final"]["params"], saved["final"]["params"], saved["saved"]["params"]
+    steps = len(saved["trained"]) - start
+    worst, where = 0.0, ""
+    for name, w in expected.items():
+        update = (w.double() - at_save[name].double()).abs().max().item()
+        allowed = 2 * steps * U * w.double().abs() + UPDATE_SHARE * update
+        used = ((final[name].double() - w.double()).abs() / allowed.clamp_min(1e-30)).max().item()
+        if used > worst:
+            worst, where = used, name
+    if worst > 1:
+        gap = (final[where].double() - expected[where].double()).abs().max().item()
         raise CheckFailed(
-            "the loaded optimizer has no state: a new Adam has none until its first step, so its "
-            "optimizer.state_dict() gives dcp.load nothing to fill (and loading only the model leaves "
-            "Adam empty too). get_state_dict(model, optimizer) creates Adam's state for every parameter, "
-            f"keyed by name as in the checkpoint: {LOAD_RECIPE}.")
-    for name, saved in first["adam"].items():
-        got = state.get(name, {})
-        if set(got) != set(saved):
-            raise CheckFailed(f"the loaded Adam state of {name} has {sorted(got)}, the saved one {sorted(saved)}: "
-                              f"{LOAD_RECIPE}.")
-    if not any(s["exp_avg"].any() or s["exp_avg_sq"].any() for s in state.values()):
-        raise CheckFailed(
-            "the loaded optimizer's moments are all zeros (the state get_state_dict creates for a new Adam): "
-            "the model was loaded but the optimizer was not, so a resumed job would restart Adam from "
-            f"scratch. Load both: {LOAD_RECIPE}.")
-    for name, saved in first["adam"].items():
-        for key in ADAM_STATE:
-            if not torch.equal(torch.as_tensor(state[name][key]), torch.as_tensor(saved[key])):
-                raise CheckFailed(
-                    f"the loaded Adam {key} of {name} is not the saved one: the moments and the step must "
-                    f"come back bit for bit (loading copies, no arithmetic). {LOAD_RECIPE}.")
-    lr = optimizer.param_groups[0]["lr"]
-    if lr != first["lr"]:
-        raise CheckFailed(
-            f"the loaded optimizer steps with lr {lr:g}; the saved job used {first['lr']:g}. dcp.load only "
-            "fills the tensors of the dicts you give it; set_state_dict(model, optimizer, "
-            "model_state_dict=..., optim_state_dict=...) called after dcp.load puts the loaded dicts into "
-            "the model and the optimizer, hyperparameters (param_groups) included. Called before "
-            "dcp.load, it applies the dicts while they still hold the fresh optimizer's values.")
+            f"the resumed job's {where} ends {gap:.2e} away from the uninterrupted job's, {worst:.0f} times what "
+            "rounding allows, although it loaded the same state and trained the same samples with the same "
+            "learning rates: something else in the training differs between the two jobs (Hint 1).")
+    return worst
 
 
-def check_fsdp2_checkpoint(saved, checkpoint, load) -> None:
-    """Check exercise 2: a model trained with FSDP2 on N ranks, saved with DCP, loads on one process.
+def check_fsdp2_checkpoint(saved, resumed, checkpoint) -> None:
+    """Check exercise 2: a job trained with FSDP2 saves a DCP checkpoint, and a job with another
+    number of ranks resumes from it and trains exactly what the uninterrupted job trains.
 
-    ``saved`` is the workers' LaunchResult (launched with ``check=False``: a rank that failed
-    after training still reports what it trained). Its ``results[rank]`` hold "units" (the
-    names of the modules that are FSDP units), "initial" and "params" (name -> the whole
-    parameter before and after training), "adam" (name -> Adam's exp_avg, exp_avg_sq and step,
-    gathered whole) and "lr". ``checkpoint`` is the folder the workers saved to, and
-    ``load(checkpoint)`` returns (model, optimizer) in this process.
+    ``saved`` and ``resumed`` are the LaunchResults (launched with ``check=False``) of the worker
+    run with ``--save-at K`` (it saves after K steps and trains on to the end: the uninterrupted
+    job) and with ``--resume``; ``checkpoint`` is the folder the first saved to. Their reports
+    hold "trained" (step -> this rank's sample "ids" and the "lr" it stepped with), "final" (the
+    weights gathered whole at the end), "samples" and "global_batch"; the first's also "saved"
+    (weights, momentum, lr and scheduler step before saving) and "saved_at"; the second's
+    "start" (what resume() returned) and "loaded" (the same as "saved", right after loading).
 
-    The comparison is exact: full_tensor() all-gathers (it concatenates the shards), dcp.save
-    writes the shards' bytes and dcp.load reads them back; no value goes through arithmetic.
+    Exact: the samples of every step, the layout of the checkpoint, everything loaded (bits) and
+    the learning rate of every step. Within rounding: the final weights (see _check_continued).
     """
-    world, path = saved.nproc, Path(checkpoint)
-    first = launch_reports(saved, "the worker")[0]
-    params = first["params"]
-    _check_units(set(first["units"]), params)
-    _check_trained(first, params)
+    path = Path(checkpoint)
+    first = launch_reports(saved, "the worker")
+    saved_world = len(first)
+    head = first[0]
+    samples, global_batch = head["samples"], head["global_batch"]
+    save_at = head.get("saved_at")
+    total = len(head.get("trained", {}))
+    _check_samples(first, "saved job", range(total), samples, global_batch)
+    if save_at is None:
+        raise CheckFailed("the saved job reached no save: run the worker with --save-at (the cell above does).")
     if not saved.ok:
         rank, code, error = first_failure(saved)
-        hint = (" A rank waited in a collective that another rank never entered: get_state_dict and dcp.save "
-                "are collectives, so every rank calls them (not only rank 0)." if "imed out" in error else "")
-        raise CheckFailed(f"the model trained, but rank {rank} failed afterwards, while saving (exit code "
-                          f"{code}): {error}.{hint} The cell above shows its traceback.")
-    _check_files(path, world, params)
-    model, optimizer = _load(load, path)
-    loaded = _check_model(model, first)
-    _check_optimizer(optimizer, loaded, first)
-    step = int(next(iter(first["adam"].values()))["step"])
-    passed(f"the model and Adam state trained on {world} ranks (FSDP units {sorted(first['units'])}) load on "
-           f"one process bit for bit: {len(params)} parameters, their two moments and step {step}")
+        hint = (" A rank waited in a collective that another rank never entered: the save is a collective, so "
+                "every rank takes part in it." if "imed out" in error else "")
+        raise CheckFailed(f"the job trained, but rank {rank} failed afterwards, while saving (exit code {code}): "
+                          f"{error}.{hint} The cell above shows its traceback.")
+    keys = _check_layout(path, saved_world, head["saved"]["params"])
+
+    second = launch_reports(resumed, "the resumed job")
+    start = second[0].get("start")
+    if start != save_at:
+        raise CheckFailed(
+            f"resume() returned {start!r}, the checkpoint was written after step {save_at}: the number of steps "
+            "trained did not come back from the checkpoint, so the resumed job does not know where it is, in "
+            "its schedule or in its data (Hint 1).")
+    _check_loaded(second[0], head, keys)
+    _check_samples(second, "resumed job", range(start, total), samples, global_batch)
+    for step in range(start, total):
+        lr, expected = second[0]["trained"][step]["lr"], head["trained"][step]["lr"]
+        if lr != expected:
+            raise CheckFailed(f"step {step} of the resumed job stepped with learning rate {lr:.6g}, the "
+                              f"uninterrupted job's with {expected:.6g}: the schedule did not go on from where "
+                              "it stood (Hint 1).")
+    used = _check_continued(second[0], head, start)
+    passed(f"saved on {saved_world} ranks after step {save_at}, resumed on {len(second)}: the same weights, "
+           f"momentum and schedule bit for bit, the same samples and learning rates in steps {start}-{total - 1}, "
+           f"and the same final weights ({used:.1%} of the rounding tolerance used)")
