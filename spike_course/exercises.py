@@ -153,6 +153,11 @@ def answers_in(blank: str, learner: str, to_the_end: bool = False) -> list[str] 
     return list(found.groups()) if found else None
 
 
+def is_whole_script(blank_cell) -> bool:
+    """True for an exercise cell whose stub is followed by a given script the learner changes."""
+    return STARTS_AS_KEY in blank_cell.get("metadata", {})
+
+
 def answered(cell, blank_cell) -> bool:
     """True when a learner wrote anything at a blank of ``blank_cell``: fewer stubs, or other
     text where a stub stands (a line typed above the raise; a given script they started to
@@ -160,20 +165,14 @@ def answered(cell, blank_cell) -> bool:
     stubs) is not an answer, and may be rewritten."""
     if STUB not in blank_cell.source:
         return False
-    whole_script = STARTS_AS_KEY in blank_cell.get("metadata", {})
     if cell.source.count(STUB) < blank_cell.source.count(STUB):
         return True
-    found = answers_in(blank_cell.source, cell.source, whole_script)
-    if found is None:
-        return False
-    untouched = pieces_around(blank_cell.source, False)
-    stubs = BLANK_LINES.findall(lines_as_read(blank_cell.source))
-    if whole_script:  # everything after the stub is the learner's: compare it with the given text
-        return lines_as_read(found[-1]) != lines_as_read(stubs[-1] + untouched[-1])
-    return any(lines_as_read(a) != lines_as_read(s) for a, s in zip(found, stubs))
+    # The code around the blanks is the exercise's, so any other difference is at a blank.
+    return (answers_in(blank_cell.source, cell.source, is_whole_script(blank_cell)) is not None
+            and lines_as_read(cell.source) != lines_as_read(blank_cell.source))
 
 
-def learner_work(existing, blank, solution=None) -> list[str]:
+def learner_work(existing, blank) -> list[str]:
     """What a learner made in ``existing`` (an exercise notebook on disk) that ``blank`` (what
     solutions/ generates) does not hold: answers (an answer cell they changed), cells run,
     cells added. Cells are numbered from 1, as JupyterLab shows them. Empty when the file

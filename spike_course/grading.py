@@ -16,7 +16,8 @@ from pathlib import Path
 
 import nbformat
 
-from .exercises import CHECK_TAG, answers_in, has_solution, lines_as_read, make_exercise, pieces_around, starts_as
+from .exercises import (CHECK_TAG, answers_in, has_solution, is_whole_script, lines_as_read, make_exercise,
+                        pieces_around)
 
 # What an answer must not use: the checks' own code (their references), or the solutions.
 _BORROWED = re.compile(r"spike_course\.checks|from\s+spike_course\s+import[^\n]*\bchecks\b|\bchecks\.\w"
@@ -75,7 +76,7 @@ def rebuild(learner, solution, name: str = "") -> tuple:
                 problems.append({"id": cell.id, "error": f"EditedCell: this {kind} cell differs from the "
                                  "exercise's; it is graded as the course wrote it, so the edit cannot help"})
             continue
-        whole_script = starts_as(solution.cells[index].source) is not None
+        whole_script = is_whole_script(cell)
         answers = answers_in(cell.source, mine.source, whole_script)
         if answers is None:
             problems.append({"id": cell.id, "error": "EditedCell: the code around the answer (outside "

@@ -17,19 +17,17 @@ from pathlib import Path
 
 import nbformat
 
+from . import exercises
+
 SOURCES = ("notebooks", "solutions")
-_WRITEFILE = re.compile(r"^%%writefile\s+workers/(\S+)\s*\n")
 _SOLUTION_MARKER = re.compile(r"^[ \t]*### (BEGIN|END) SOLUTION[^\n]*(\n|\Z)", re.M)
 
 
 def worker_cells(notebook) -> dict[str, str]:
     """{"NN_topic/name.py": source} for every Python worker a notebook writes."""
-    found = {}
-    for cell in notebook.cells:
-        match = _WRITEFILE.match(cell.source) if cell.cell_type == "code" else None
-        if match and match.group(1).endswith(".py"):
-            found[match.group(1)] = _SOLUTION_MARKER.sub("", cell.source[match.end():])
-    return found
+    return {path.removeprefix("workers/"): _SOLUTION_MARKER.sub("", text)
+            for path, text in exercises.written_files(notebook).items()
+            if path.startswith("workers/") and path.endswith(".py")}
 
 
 MODULE = " imports this module"  # in a module's run line: the script that runs it
