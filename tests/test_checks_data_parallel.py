@@ -1,5 +1,6 @@
 """The checks of chapters 02 and 03 pass right answers and name the mistake in wrong ones;
-chapter 03's exercise 1 with its mistakes planted in a copy of the solution's worker."""
+chapter 03's exercises with their mistakes planted in a copy of the solution's worker (one
+launch of 2 ranks per mistake, 3-5 seconds each)."""
 
 import math
 from pathlib import Path
@@ -12,9 +13,10 @@ from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 import spike_course
-from spike_course import checks, data, models, workers
+from spike_course import checks, data, models
 from spike_course.checks import CheckFailed
 from spike_course.launcher import LaunchResult
+from planting import planted, written_file
 
 
 class GoodSampler(Sampler):
@@ -143,17 +145,6 @@ def test_missing_all_reduce_is_named():
     assert "not all-reduced" in message(lambda: checks.check_flat_allreduce(*_training_results(all_reduce=False)))
 
 
-def test_distributed_accuracy_mistakes_are_named():
-    # 11 test samples on 2 ranks: rank 0 reads 6, rank 1 reads 5 plus one padded repeat.
-    shards = {0: (5, 6, 5, 6), 1: (2, 5, 3, 6)}
-    checks.check_distributed_accuracy({0: 7 / 11, 1: 7 / 11}, 7, 11, shards)
-    assert "padding" in message(lambda: checks.check_distributed_accuracy({0: 8 / 12, 1: 8 / 12}, 7, 11, shards))
-    assert "rank 0's shard only" in message(lambda: checks.check_distributed_accuracy({0: 5 / 6, 1: 5 / 6}, 7, 11, shards))
-    assert "different accuracies" in message(lambda: checks.check_distributed_accuracy({0: 5 / 6, 1: 2 / 5}, 7, 11, shards))
-    mean = (5 / 6 + 2 / 5) / 2
-    assert "mean of the ranks' accuracies" in message(lambda: checks.check_distributed_accuracy({0: mean, 1: mean}, 7, 11, shards))
-
-
 # --- chapter 03, exercise 1: one all-reduce per step, planted mistakes launched for real ---
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,47 +239,140 @@ def test_a_blank_or_crashed_worker_is_named():
         checks.check_flat_allreduce(crashed, {})
 
 
-# --- chapter 03, exercise 2: the evaluation is split between the ranks ---
+# --- chapter 03, exercise 2: an evaluation split between the ranks, mistakes planted in the solution ---
 
-def test_an_evaluation_that_every_rank_runs_whole_is_named():
-    shards = {0: (5, 6, 5, 6), 1: (2, 5, 3, 6)}
-    # the right value, but each rank ran the model on all 11 samples: nothing was distributed
-    text = message(lambda: checks.check_distributed_accuracy({0: 7 / 11, 1: 7 / 11}, 7, 11, shards, {0: 11, 1: 11}))
-    assert "rank 0 ran the model on 11 test samples" in text and "not split" in text
-    assert "never evaluated" in message(
-        lambda: checks.check_distributed_accuracy({0: 7 / 11, 1: 7 / 11}, 7, 11, shards, {0: 6, 1: 0}))
-    checks.check_distributed_accuracy({0: 7 / 11, 1: 7 / 11}, 7, 11, shards, {0: 6, 1: 6})  # padding included
-
-
-WHOLE_TEST_SET = '''def evaluate(model, dataset, device, batch_size=100):
-    """Every rank evaluates everything: the right number, and no distribution at all."""
+EVALUATE = "03_data_parallel/evaluate.py"
+# 301 samples on 2 ranks: shards of 151 and 150 (+ one repeat), in batches of 100 and 51.
+TEST = 301
+EVALUATE_ARGS = ["--test-samples", TEST]
+RIGHT_LINE = "real = torch.arange(counted, counted + len(y), device=device) < real_here"
+ALL_REDUCE_LINE = "dist.all_reduce(sums)  # one message; every rank now holds the whole test set's sums"
+RATIOS_AVERAGED = """\
+    loss_sum, right, seen = sums[0], sums[1:1 + num_classes], sums[1 + num_classes:]
+    ratios = torch.cat([(loss_sum / seen.sum()).view(1), (right.sum() / seen.sum()).view(1), right / seen])
+    dist.all_reduce(ratios, op=dist.ReduceOp.AVG)  # the mean of the ranks' own ratios
+    return {"loss": ratios[0].item(), "accuracy": ratios[1].item(), "recall": ratios[2:].tolist()}
+"""
+RECALL_AVERAGED = """\
+    message = torch.cat([sums, sums[1:1 + num_classes] / sums[1 + num_classes:]])  # and this rank's recalls
+    dist.all_reduce(message)
+    loss_sum, right, seen = message[0], message[1:1 + num_classes], message[1 + num_classes:1 + 2 * num_classes]
+    return {"loss": (loss_sum / seen.sum()).item(), "accuracy": (right.sum() / seen.sum()).item(),
+            "recall": (message[1 + 2 * num_classes:] / dist.get_world_size()).tolist()}
+"""
+WHOLE_TEST_SET = """\
     model.eval()
-    correct = 0
+    sums = torch.zeros(1 + 2 * num_classes, dtype=torch.float64, device=device)
     with torch.no_grad():
-        for x, y in DataLoader(dataset, batch_size=batch_size):
-            correct += (model(x.to(device)).argmax(1) == y.to(device)).sum().item()
-    model.train()
-    return correct / len(dataset)
+        for x, y in DataLoader(dataset, batch_size=batch_size):  # everything, on every rank
+            log_probs, y = model(x.to(device)).double(), y.to(device)
+            sums[0] += F.nll_loss(log_probs, y, reduction="sum")
+            sums[1:1 + num_classes] += torch.bincount(y[log_probs.argmax(1) == y], minlength=num_classes)
+            sums[1 + num_classes:] += torch.bincount(y, minlength=num_classes)
+    loss_sum, right, seen = sums[0], sums[1:1 + num_classes], sums[1 + num_classes:]
+    return {"loss": (loss_sum / seen.sum()).item(), "accuracy": (right.sum() / seen.sum()).item(),
+            "recall": (right / seen).tolist()}
+"""
+NOTHING_RUN = '    return {"loss": 0.0, "accuracy": 0.0, "recall": [0.0] * num_classes}\n'
 
 
-'''
+def _evaluation(*changes, region=None, start=BEGIN) -> str:
+    """The solution's evaluate.py with ``changes`` (old, new) made in its solution region, or with
+    the region from its line that starts with ``start`` to its end replaced by ``region``."""
+    source = written_file(nbformat.read(ROOT / "solutions" / "03_data_parallel.ipynb", as_version=4), EVALUATE)
+    if region is not None:
+        begin = source.index(start, source.index(BEGIN)) + (len(BEGIN) if start == BEGIN else 0)
+        source = source[:begin] + region + source[source.index(END):]
+    return planted(source, *changes)
+
+
+@pytest.fixture(scope="module")
+def test_set():
+    dataset = data.load_mnist(train=False, limit=TEST)
+    return torch.stack([dataset[i][0] for i in range(TEST)]), torch.tensor([dataset[i][1] for i in range(TEST)])
+
+
+def _launch_and_check(worker, source, test_set):
+    """What the notebook's launch and check cells do, on the test's smaller test set."""
+    job = spike_course.launch(worker(source), nproc=2, args=EVALUATE_ARGS, check=False, echo=False,
+                              progress=False, timeout=120)
+    assert job.ok, job.output
+    model = models.Net()
+    model.load_state_dict(job.reports[0]["weights"])
+    model.eval()
+    images, labels = test_set
+    with torch.no_grad():
+        log_probs = model(images)
+    checks.check_distributed_accuracy(job, images, labels, log_probs)
+    return job
 
 
 @pytest.mark.processes
-def test_the_trivial_whole_test_set_answer_fails_for_real(worker, no_orphans):
-    notebook = nbformat.read(ROOT / "solutions" / "03_data_parallel.ipynb", as_version=4)
-    source = workers.worker_cells(notebook)["03_data_parallel/evaluate.py"]
-    planted = source[:source.index("def evaluate(")] + WHOLE_TEST_SET + source[source.index("def shard_counts("):]
-    total = 101
-    job = spike_course.launch(worker(planted), nproc=2, args=["--test-samples", total, "--train-steps", 2],
-                              echo=False, progress=False, timeout=120)
-    reports = job.reports
-    correct = round(reports[0]["accuracy"] * total)
-    assert reports[0]["accuracy"] == correct / total  # the value alone would pass
+def test_the_evaluation_passes_with_one_allreduce(worker, no_orphans, test_set, capsys):
+    job = _launch_and_check(worker, _evaluation(), test_set)
+    assert [job.reports[r]["collectives"] for r in range(2)] == [{"allreduce_": 1}] * 2
+    assert "the same on 2 ranks as in one process" in capsys.readouterr().out
+
+
+LOSS_LINE = 'sums[0] += F.nll_loss(log_probs, y, reduction="sum")'
+LOSS_RETURNED = '"loss": (loss_sum / seen.sum())'
+PLANTED = {  # a copy of the solution with one mistake -> what the check must say
+    "padding-counted": (
+        lambda: _evaluation((RIGHT_LINE, "real = torch.ones(len(y), dtype=torch.bool, device=device)")),
+        r"accuracy is .*counts the 1 repeat\(s\) that DistributedSampler added .*302 samples counted, the test "
+        r"set has 301.*\(Hint 1\)"),
+    "ratios-of-the-ranks-averaged": (
+        lambda: _evaluation(region=RATIOS_AVERAGED, start="    dist.all_reduce(sums)"),
+        r"accuracy is .*mean of the ranks' own accuracy values, but the shards differ in size \(151 and 150 real"),
+    "loss-of-the-ranks-averaged": (  # each rank's mean loss, summed with the counts, then halved
+        lambda: _evaluation((LOSS_LINE, LOSS_LINE + " / real_here"),
+                            (LOSS_RETURNED, '"loss": (loss_sum / dist.get_world_size())')),
+        r"the loss is .*mean of the ranks' own loss values, but the shards differ in size \(151 and 150 real "
+        r"samples\), so"),
+    "recall-averaged-over-ranks": (
+        lambda: _evaluation(region=RECALL_AVERAGED, start="    dist.all_reduce(sums)"),
+        r"recall of class \d is .*mean of the ranks' own recall values, .*each class a different number"),
+    "mean-of-batch-means": (
+        lambda: _evaluation((LOSS_LINE, "sums[0] += F.nll_loss(log_probs, y)"),
+                            (LOSS_RETURNED, '"loss": (loss_sum / (len(loader) * dist.get_world_size()))')),
+        r"loss is .*mean of the per-batch loss values, but the batches differ in size \(100 and 51 samples\)"),
+    "precision-for-recall": (
+        lambda: _evaluation(("torch.bincount(y, minlength=num_classes)",
+                             "torch.bincount(log_probs.argmax(1), minlength=num_classes)")),
+        r"recall of class \d is .*PREDICTED as that class, which is the class's precision"),
+    "whole-test-set-on-every-rank": (
+        lambda: _evaluation(region=WHOLE_TEST_SET),
+        r"rank 0 ran the model on all 301 test samples: every rank evaluated the whole test set"),
+    "three-collectives": (
+        lambda: _evaluation((ALL_REDUCE_LINE, "for part in (sums[:1], sums[1:1 + num_classes], "
+                                              "sums[1 + num_classes:]):\n        dist.all_reduce(part)")),
+        r"the results are right, but rank 0's evaluate made 3 collectives \(3 allreduce\)"),
+    "dropout-on": (
+        lambda: _evaluation(("    model.eval()  # dropout off\n", "")),
+        r"rank 0 ran the model in training mode during evaluate: dropout"),
+    "trivial": (
+        lambda: _evaluation(region=NOTHING_RUN),
+        r"rank 0's model never ran on 151 of the 151 samples of its shard"),
+}
+
+
+@pytest.mark.parametrize("mistake", PLANTED)
+@pytest.mark.processes
+def test_planted_evaluation_mistakes_are_named(mistake, worker, no_orphans, test_set):
+    source, expected = PLANTED[mistake]
+    with pytest.raises(CheckFailed, match=expected):
+        _launch_and_check(worker, source(), test_set)
+
+
+def test_what_the_evaluation_returns_is_checked_first():
+    lecture_copy = {"result": (0.5, [75.0, 151.0]), "forwards": [], "collectives": {"allreduce_": 1}}
     text = message(lambda: checks.check_distributed_accuracy(
-        {r: reports[r]["accuracy"] for r in range(2)}, correct, total,
-        {r: reports[r]["shard"] for r in range(2)}, {r: reports[r]["evaluated"] for r in range(2)}))
-    assert f"ran the model on {total} test samples" in text
+        {0: lecture_copy, 1: lecture_copy}, torch.zeros(3, 1, 28, 28), torch.tensor([0, 1, 2]), torch.zeros(3, 10)))
+    assert "rank 0's evaluate returned '(0.5, [75.0, 151.0])', not a dict" in text
+    recall_missing = dict(lecture_copy, result={"loss": 1.0, "accuracy": 0.5, "recall": 0.5})
+    text = message(lambda: checks.check_distributed_accuracy(
+        {0: recall_missing, 1: recall_missing}, torch.zeros(3, 1, 28, 28), torch.tensor([0, 1, 2]), torch.zeros(3, 10)))
+    assert "a recall for each of the 10 classes" in text
 
 
 class Blocks(Sampler):

@@ -25,15 +25,17 @@ LAYER = written_file(NOTEBOOK, f"{STEM}/moe_exchange.py")
 
 PRIORITY = "expert, weight = choice.t().reshape(-1), gate.t().reshape(-1)"
 TOKENS = "token = torch.arange(len(x), device=x.device).repeat(choice.shape[1])"
-RETURN = "return torch.zeros_like(x).index_add(0, token[order], back * weight[order].unsqueeze(-1))"
+ROWS = "rows, back = send_to_ranks(x[token], expert // per_rank, group)"
+LABELS = "local, _ = send_to_ranks(expert % per_rank, expert // per_rank, group)"
+EXPERTS = ("done = torch.zeros_like(rows)\n"
+           "    for j, run in enumerate(experts):\n"
+           "        done[local == j] = run(rows[local == j])  # each expert sees its own rows, and only those")
+RETURN = "return torch.zeros_like(x).index_add(0, token, back(done) * weight.unsqueeze(-1))"
 MISTAKES = {
     "blank": ((), r"moe_forward is not written yet"),
-    "nothing_dispatched": ([("world, per_rank = dist.get_world_size(group), len(experts)",
-                             "return torch.zeros_like(x)  # a trivial answer")],
+    "nothing_dispatched": ([("per_rank = len(experts)", "return torch.zeros_like(x)  # a trivial answer")],
                            r"no expert was given any row"),
-    "splits_in_the_wrong_order": ([("order = torch.argsort(expert, stable=True)",
-                                    "order = torch.arange(len(expert), device=x.device)")],
-                                  r"rows reach the wrong expert.*not in the same order"),
+    # which assignments survive
     "capacity_not_applied": ([("kept = (hits.cumsum(0) * hits).sum(1) <= capacity",
                                "kept = torch.ones_like(expert, dtype=torch.bool)")],
                              r"the capacity is not applied: expert 0 was given more than"),
@@ -44,23 +46,49 @@ MISTAKES = {
     "second_choice_ignored": ([(PRIORITY, "expert, weight = choice[:, 0], gate[:, 0]"),
                                (TOKENS, "token = torch.arange(len(x), device=x.device)")],
                               r"the second choices are ignored"),
-    "regrouped_by_expert_across_sources": ([("by_expert = torch.argsort(which, stable=True)",
-                                             "by_expert = torch.arange(len(which), device=x.device)")],
-                                           r"the right rank but the wrong expert on it"),
-    "gate_not_applied": ([(RETURN, "return torch.zeros_like(x).index_add(0, token[order], back)")],
+    "tokens_out_of_step_with_their_experts": ([(TOKENS, "token = torch.arange(len(x), device=x.device)"
+                                                        ".repeat_interleave(choice.shape[1])")],
+                                              r"as many rows as it accepted, but the wrong tokens"),
+    # where the rows go
+    "sent_to_the_wrong_rank": ([(ROWS, ROWS.replace("expert // per_rank", "expert % dist.get_world_size(group)")),
+                                (LABELS, LABELS.replace("expert // per_rank", "expert % dist.get_world_size(group)"))],
+                               r"rows reach the wrong rank: rank \d's experts were given rows routed to"),
+    "expert_index_not_sent": ([(LABELS, "# (no label: the rows are taken to arrive expert by expert)"),
+                               (EXPERTS, "done = torch.cat([run(part) for run, part in "
+                                         "zip(experts, rows.tensor_split(len(experts)))])")],
+                              r"the right rank but the wrong expert on it"),
+    "global_id_compared_with_local_index": ([(LABELS, LABELS.replace("expert % per_rank", "expert"))],
+                                            r"experts \[2, 3\] were given none.*a global expert id was compared"),
+    "every_expert_runs_on_every_row": ([(EXPERTS.rsplit("\n", 1)[1], "        done = done + "
+                                         "torch.where((local == j).unsqueeze(-1), run(rows), 0)")],
+                                       r"each expert was given every row that came to its rank"),
+    # the combine
+    "gate_not_applied": ([(RETURN, "return torch.zeros_like(x).index_add(0, token, back(done))")],
                          r"the router's weights are not applied on the combine"),
-    "not_returned_to_positions": ([(RETURN, RETURN.replace("token[order]", "token"))],
-                                  r"the results do not go back to\s+their tokens' positions"),
+    "one_of_two_results_kept": ([(RETURN, "y = torch.zeros_like(x)\n"
+                                          "    y[token] = back(done) * weight.unsqueeze(-1)\n"
+                                          "    return y")],
+                                r"both assignments accepted are wrong, the others right: one of a token's two"),
+    "results_not_returned_to_positions": ([(ROWS, "order = torch.argsort(expert, stable=True)  # as the lecture\n    "
+                                                  + ROWS.replace("x[token]", "x[token[order]]")
+                                                        .replace("expert //", "expert[order] //")),
+                                           (LABELS, LABELS.replace("expert ", "expert[order] "))],
+                                          r"the results do not go back to\s+their tokens' positions"),
     "dropped_tokens_counted_twice": ([(RETURN, "y = " + RETURN[len("return "):] + "\n"
                                        "    lost = torch.arange(len(x), device=x.device).repeat(choice.shape[1])[~kept]\n"
                                        "    return y.index_add(0, lost, x[lost])  # the dropped ones pass through")],
-                                     r"dropped tokens are counted twice"),
-    "exchange_invisible_to_autograd": ([("arrived = exchange(x[token[order]], send, recv, group)",
-                                         "arrived = x.new_empty(sum(recv), x.shape[1])\n"
-                                         "    dist.all_to_all_single(arrived, x[token[order]], recv, send, group=group)")],
-                                       r"the tokens x got no gradient on rank 0: the graph is cut"),
+                                     r"dropped tokens are counted twice: .*already carries its token\."),
+    "dropped_tokens_passed_through_with_their_gates": (
+        [(RETURN, "y = " + RETURN[len("return "):] + "\n"
+                  "    lost = torch.arange(len(x), device=x.device).repeat(choice.shape[1])[~kept]\n"
+                  "    return y.index_add(0, lost, x[lost] * gate.t().reshape(-1)[~kept].unsqueeze(-1))")],
+        r"dropped tokens are counted twice: .*not even its gate times the token"),
+    "gates_cut_from_the_graph": ([(RETURN, "y, results = torch.zeros_like(x), back(done)\n"
+                                           "    for i, t in enumerate(token.tolist()):\n"
+                                           "        y[t] = y[t] + results[i] * weight[i].item()\n"
+                                           "    return y")],
+                                 r"the gates got no gradient on rank 0: the graph is cut"),
 }
-
 
 def run(worker, layer_source, worlds=(2,)):
     """Launch the exercise's harness on each world size next to ``layer_source``."""

@@ -36,11 +36,21 @@ def problem():
     for xb, yb in zip(x.chunk(M), y.chunk(M)):
         F.nll_loss(stage1(stage0(xb)), yb).backward()
     unscaled = grads(net)
-    return reference, last, unscaled
+    # ...and with the 1/m, but stage 0 runs its backwards in the reverse order of the sends:
+    # each received gradient meets the output of another micro-batch.
+    net.zero_grad()
+    outputs = [stage0(xb) for xb in x.chunk(M)]
+    received = [out.detach().requires_grad_() for out in outputs]
+    for act, yb in zip(received, y.chunk(M)):
+        (F.nll_loss(stage1(act), yb) / M).backward()
+    for out, act in zip(outputs, reversed(received)):
+        out.backward(act.grad)
+    mispaired = grads(net)
+    return reference, last, unscaled, mispaired
 
 
 def check(answer, problem, **kw):
-    reference, last, _ = problem
+    reference, last, *_ = problem
     checks.check_pipeline_gradients(answer, reference, M, stages=STAGE_OF, last_microbatch=last, **kw)
 
 
@@ -81,11 +91,26 @@ def test_stage0_scaled_again_named(problem):
     fails_with(answer, problem, "stage [0]", "too small")
 
 
+def test_stage0_unscaled_named(problem):
+    answer = {k: v * M if STAGE_OF[k] == 0 else v for k, v in problem[0].items()}
+    fails_with(answer, problem, "stage [0]", "too large", "not scaled by 1/m")
+
+
 def test_no_gradient_across_the_boundary_named(problem):
     answer = {k: (None if STAGE_OF[k] == 0 else v) for k, v in problem[0].items()}
     fails_with(answer, problem, "no gradient reached stage [0]", "requires_grad_")
     answer = {k: (torch.zeros_like(v) if STAGE_OF[k] == 0 else v) for k, v in problem[0].items()}
     fails_with(answer, problem, "no gradient reached stage [0]")
+
+
+def test_missing_gradients_on_the_last_stage_named(problem):
+    answer = {k: (None if k.startswith("fc2") else v) for k, v in problem[0].items()}
+    fails_with(answer, problem, "no gradient for ['fc2.weight', 'fc2.bias']", "loss.backward()")
+
+
+def test_wrong_shape_named(problem):
+    answer = {**problem[0], "fc1.weight": problem[0]["fc1.weight"].t()}
+    fails_with(answer, problem, "['fc1.weight'] have the wrong shape")
 
 
 def test_only_last_microbatch_named(problem):
@@ -94,9 +119,7 @@ def test_only_last_microbatch_named(problem):
 
 
 def test_mismatched_pairing_named(problem):
-    torch.manual_seed(1)
-    answer = {k: (torch.randn_like(v) if STAGE_OF[k] == 0 else v) for k, v in problem[0].items()}
-    fails_with(answer, problem, "same micro-batch")
+    fails_with(problem[3], problem, "stage [0] has wrong gradients", "same micro-batch")
 
 
 def test_anything_else_lists_the_parameters(problem):

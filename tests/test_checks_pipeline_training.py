@@ -2,6 +2,7 @@
 mistake planted in a copy of them. Every planted copy is a module next to the script, which
 runs them all in ONE launch (a launch is 6-10 seconds)."""
 
+import copy
 from pathlib import Path
 
 import nbformat
@@ -71,6 +72,14 @@ MISTAKES = {
                                        "losses[0].item() * len(labels)", 1)], "first micro-batch's loss"),
     "step_under_no_grad": ([("    module.eval()\n", "    module.eval()\n    torch.set_grad_enabled(False)\n", 1),
                               ("schedule.eval(", "schedule.step(", 3)], "under torch.no_grad"),
+    "stub_left": ([("    module.eval()\n", "    raise NotImplementedError\n", 1)], "still raise NotImplementedError"),
+    "gradients_never_zeroed": ([("        optimizer.zero_grad()\n", "", 1)],
+                               "differs from one process trained on the same batches"),
+    "unweighted_loss": ([("sum(loss.item() * size for loss, size in zip(losses, sizes))",
+                          "sum(loss.item() for loss in losses)", 1)], "each a MEAN over its own samples"),
+    "last_batch_accuracy": ([("correct += ", "correct = ", 1)], r"accuracy .* over all the test set"),
+    "nothing_returned": ([("    return (loss_sum / count, correct / count) if stage.is_last else None\n", "", 1)],
+                         r"evaluate\(\) returned \[None, None\]"),
 }
 
 
@@ -79,3 +88,14 @@ MISTAKES = {
 def test_each_mistake_is_named(launched, data_file, name):
     with pytest.raises(CheckFailed, match=MISTAKES[name][1]):
         check_pipeline_training(launched, data_file, functions=name)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("which, message", [(0, "test loss nan"), (1, "accuracy nan")])
+def test_a_nan_evaluation_fails(launched, data_file, which, message):
+    """NaN compares false with everything: a check written as `error > tolerance` passed it."""
+    reports = copy.deepcopy(launched)
+    history = reports[1]["runs"]["pipeline_functions"]["history"]
+    history[-1] = tuple(float("nan") if i == which else v for i, v in enumerate(history[-1]))
+    with pytest.raises(CheckFailed, match=message):
+        check_pipeline_training(reports, data_file)

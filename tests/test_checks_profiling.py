@@ -105,6 +105,15 @@ def test_each_diagnosis_mistake_is_named(name):
         check_hang_diagnosis(plant("diagnose", (old, new)))
 
 
+def test_every_mistake_the_checks_know_is_planted():
+    from spike_course.checks import profiling
+
+    readings = {reading.name for reading in profiling.WRONG_READINGS}
+    assert readings | {"the longest communicator"} == set(STRAGGLER_MISTAKES)
+    tables = (profiling.RANK_MISTAKES, profiling.SEQ_MISTAKES, profiling.STUCK_IN_MISTAKES)
+    assert {mistake.name for table in tables for mistake in table} == set(DIAGNOSIS_MISTAKES)
+
+
 def test_a_malformed_answer_is_named():
     with pytest.raises(CheckFailed, match="return a dict"):
         check_hang_diagnosis(lambda dumps: (2, 31))

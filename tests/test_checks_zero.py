@@ -66,9 +66,14 @@ def test_gradients_not_averaged_is_named():
         check_zero1(results(zero1=wrong))
 
 
-@pytest.mark.parametrize("owned", [((0, 5), (4, 10)), ((0, 4), (5, 10)), ((0, 5), (5, 9))])
-def test_slices_must_tile_the_model(owned):
-    with pytest.raises(CheckFailed, match="slices"):
+@pytest.mark.parametrize("owned, message", [
+    (((0, 5), (4, 10)), "do not tile"),  # overlapping
+    (((0, 4), (5, 10)), "do not tile"),  # a gap
+    (((0, 5), (5, 9)), "stop at 9, not at 10: round the shard size up"),  # shard size rounded down
+    (((0, 5), (5, 11)), "stop at 11, past the end of the model's 10 elements"),  # last slice not cut at the end
+])
+def test_slices_must_tile_the_model(owned, message):
+    with pytest.raises(CheckFailed, match=message):
         check_zero1(results(owned=owned))
 
 

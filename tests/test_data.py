@@ -1,6 +1,5 @@
 """Where the course finds MNIST: one copy in the course folder serves every chapter."""
 
-import os
 
 from spike_course import data
 

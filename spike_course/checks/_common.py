@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Callable, NamedTuple
 
 
 class CheckFailed(AssertionError):
@@ -13,6 +14,25 @@ class CheckFailed(AssertionError):
         reads it. A traceback would add the check's own code, which holds the hints for the
         other mistakes it names."""
         return [f"\x1b[0;31mCheckFailed\x1b[0m: {self}"]
+
+
+class Mistake(NamedTuple):
+    """A known mistake in a check's table: its name (a test plants each), how the check's
+    readings show it, and what the learner is told (a text, or made from the readings)."""
+    name: str
+    seen: Callable[..., bool]
+    message: Callable[..., str] | str
+
+    def text(self, *readings) -> str:
+        return self.message(*readings) if callable(self.message) else self.message
+
+
+def name_the_first(mistakes, *readings, before: str = "") -> None:
+    """Fail with the message of the first of ``mistakes`` that ``readings`` show (after
+    ``before``); return if none does."""
+    for mistake in mistakes:
+        if mistake.seen(*readings):
+            raise CheckFailed(before + mistake.text(*readings))
 
 
 def borrowed_names(answer, forbidden=(), attributes=()) -> list[str]:

@@ -333,8 +333,6 @@ def _schedule(job, runs):
 
 
 def _checkpoint_written(job, checkpoint):
-    import torch
-
     if not checkpoint.exists():
         _fail(job, f"no checkpoint at --checkpoint {checkpoint.name}: rank 0 must write it every epoch.")
     if any(e["path"] == str(checkpoint) for e in job.every("save")):
@@ -619,6 +617,13 @@ def _first_attempt(job, checkpoint):
 
 
 
+def _first_attempt_over(job, rank) -> bool:
+    """Whether ``rank`` has recorded all it will of attempt 0: it crashed or exited (the
+    planned crash makes the other rank's collective fail), or its restart has begun (a rank
+    killed outright records no exit)."""
+    return bool(job.of(rank, 0, "crash") or job.of(rank, 0, "exit")) or (rank, 1) in job.events
+
+
 def check_capstone_job(script, folder) -> None:
     """Run the learner's ``script`` as a 2-node torchrun job (crashed once, restarted), judge
     what its ranks did step by step, then record its choices on pretend GPUs."""
@@ -636,7 +641,7 @@ def check_capstone_job(script, folder) -> None:
     judged = []
 
     def watch(job):  # attempt 0's mistakes are named as soon as it is over, not after the restart
-        if not judged and job.of(CRASH_RANK, 0, "crash") and all((r, 1) in job.events for r in range(WORLD)):
+        if not judged and job.of(CRASH_RANK, 0, "crash") and all(_first_attempt_over(job, r) for r in range(WORLD)):
             judged.append(True)
             _first_attempt(job, checkpoint)
 

@@ -1,13 +1,46 @@
-"""Exercise checks for chapter 08: from a measured alpha-beta fit to a DGX B200 prediction."""
+"""Exercise checks for chapter 08: from a measured alpha-beta fit to a DGX B200 prediction.
+
+The check calls each answer on jobs of its own choosing (other fits, sizes, dtypes and numbers
+of ranks) and names a known slip only when the answer gives that slip's results on every job.
+The jobs are chosen so that no two slips give the same results (the tests assert it): one
+number cannot tell apart, say, adding a link's other direction from counting bf16 gradients as
+parameters (both halve a time), while a job in fp32 can."""
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
+from ..costmodel import NCCL_ALPHA  # the node's latency per ring step (the statement's DGX_STEP_LATENCY)
 from ._common import CheckFailed, close, passed
 
 # The DGX B200 of the exercise: 8 GPUs, each with 18 NVLink 5 links of 400 Gbit/s per
 # direction through NVSwitch; NCCL's latency per ring step is an assumption (costmodel).
-DGX_GPUS, NVLINK5_LINKS, NVLINK5_LINK_GBIT = 8, 18, 400
-DGX_MODEL_PARAMS = 8.0e9  # a Llama-like 8B model, bf16 gradients
+NVLINK5_LINKS, NVLINK5_LINK_GBIT = 18, 400
+DGX_BUSBW = NVLINK5_LINKS * NVLINK5_LINK_GBIT * 1e9 / 8  # bytes/s in one direction: 900 GB/s
+DGX_MODEL_PARAMS = 8.0e9  # a Llama-like 8B model
+
+# An answer is a few float64 operations, each rounding by about 1e-16, so honest ways of writing
+# it agree to 1e-14; 1e-6 also accepts constants written out (1.8e12 / 2 for 18 * 400e9 / 8).
+# The slips' results differ from the right ones, and from each other's, by a ninth or more on
+# some job (a bus bandwidth of 400 GB/s against 450 is the closest pair), so none passes or is
+# taken for another.
+RTOL = 1e-6
+
+
+class _Slip(NamedTuple):
+    """A known slip: what an answer with it returns for a job, and what the learner is told."""
+    results: Callable
+    message: str
+
+
+def _size(dtype) -> int:
+    import torch
+
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _ring(alpha, beta, n):
@@ -22,127 +55,221 @@ def _predict(num_params, itemsize, n, step_latency, busbw):
     return steps * step_latency + steps / n * num_params * itemsize / busbw
 
 
-def _pair(value, what):
+def _number(value, call: str, unit: str = "seconds") -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise CheckFailed(f"{call} {value!r}, not a number of {unit}") from None
+
+
+def _pair(value, call: str) -> tuple[float, float]:
     try:
         a, b = value
         return float(a), float(b)
     except (TypeError, ValueError):
-        raise CheckFailed(f"{what} returned {value!r}: return a pair (seconds per step, bus "
+        raise CheckFailed(f"{call} returned {value!r}: return a pair (seconds per step, bus "
                           "bandwidth in bytes/s)") from None
 
 
-def check_dgx_prediction(ring_from_fit, predict_allreduce, dgx_seconds, fit, world_size) -> None:
-    """Check the three answers of chapter 08's exercise.
+def _name_the_slip(answer, reference, slips, jobs, show, otherwise: str) -> None:
+    """Fail unless ``answer(*job)`` agrees with ``reference(*job)`` on every job: name the slip
+    whose results are the answer's on every job, else say what is expected. ``show(job, got,
+    want)`` tells the first job the answer gets wrong."""
+    got = [answer(*job) for job in jobs]
+    wrong = [(job, value) for job, value in zip(jobs, got) if not close(value, reference(*job), RTOL, 0)]
+    if not wrong:
+        return
+    job, value = wrong[0]
+    slip = next((slip for slip in slips
+                 if all(close(value, slip.results(*job), RTOL, 0) for job, value in zip(jobs, got))), None)
+    raise CheckFailed(f"{show(job, value, reference(*job))}: {slip.message if slip else otherwise}")
+
+
+# Part 1, ring_from_fit(alpha, beta, n): its two numbers, each on every fit.
+STEP_LATENCY_SLIPS = (
+    _Slip(lambda a, b, n: a, "the latency per step is alpha itself. alpha is the fixed cost of the "
+                             "whole all-reduce, and the ring's 2(N-1) steps each pay a share of it (hint 2)."),
+    _Slip(lambda a, b, n: a / (n - 1), "you divided alpha by N-1, the steps of one pass around the ring; an "
+                                       "all-reduce is a reduce-scatter and then an all-gather (hint 2)."),
+)
+BUS_BANDWIDTH_SLIPS = (
+    _Slip(lambda a, b, n: 1 / b, "1/beta is the algorithm bandwidth (bytes of the buffer per second), while "
+                                 "each link carries 2(N-1)/N of the buffer in that time (hint 2). On 2 ranks "
+                                 "the two are equal: your own fit could not show it."),
+    _Slip(lambda a, b, n: n / (2 * (n - 1)) / b, "the factor is upside down: each link carries more than the "
+                                                 "buffer once, so the bus bandwidth is above 1/beta (hint 2)."),
+)
+
+
+def _check_ring(ring_from_fit, fit, world_size) -> None:
+    """Two made-up fits on more ranks, then the learner's own: on 2 ranks the bus factor
+    2(N-1)/N and the steps' N-1 are 1, so the learner's fit alone cannot show them."""
+    jobs = [(20e-6, 1 / 3e9, 4), (4e-6, 1 / 40e9, 8), (*fit, world_size)]
+
+    def answer(a, b, n):
+        return _pair(ring_from_fit(a, b, n), f"ring_from_fit({a:.3g}, {b:.3g}, {n})")
+
+    def show(what, unit, scale):
+        def begin(job, got, want):  # how a message about one of the pair begins
+            a, b, n = job
+            return (f"ring_from_fit(alpha={a:.3g} s, beta={b:.3g} s/B, {n} ranks): {what} {got / scale:.4g} "
+                    f"{unit}, expected {want / scale:.4g} {unit}")
+        return begin
+
+    _name_the_slip(lambda *job: answer(*job)[0], lambda *job: _ring(*job)[0], STEP_LATENCY_SLIPS, jobs,
+                   show("latency per step", "s", 1), "alpha over the ring's steps (hint 2).")
+    _name_the_slip(lambda *job: answer(*job)[1], lambda *job: _ring(*job)[1], BUS_BANDWIDTH_SLIPS, jobs,
+                   show("bus bandwidth", "GB/s", 1e9), "beta against the ring's factor of S (hint 2).")
+
+
+# Part 2, predict_allreduce(num_params, grad_dtype, n, a, busbw): the latency with nothing to
+# send, then the bytes with no latency, on 8 and 4 ranks and in bf16 and fp32.
+LATENCY_SLIPS = (
+    _Slip(lambda p, d, n, a, bw: a, "the latency counts once; every one of the ring's 2(N-1) steps pays it "
+                                    "(hint 3)."),
+    _Slip(lambda p, d, n, a, bw: (n - 1) * a, "N-1 steps are one pass around the ring; an all-reduce is a "
+                                              "reduce-scatter and then an all-gather (hint 3)."),
+)
+BYTES_SLIPS = (
+    _Slip(lambda p, d, n, a, bw: p * _size(d) / bw,
+          "that is the buffer sent once (algorithm bandwidth). At bus bandwidth each link carries 2(N-1)/N "
+          "of the buffer (hint 3)."),
+    _Slip(lambda p, d, n, a, bw: (n - 1) / n * p * _size(d) / bw,
+          "each link carries (N-1)/N of the buffer: one pass around the ring, but the reduce-scatter and the "
+          "all-gather each make one (hint 3)."),
+    _Slip(lambda p, d, n, a, bw: 2 * (n - 1) * p * _size(d) / bw,
+          "every one of the 2(N-1) steps sends the whole buffer; a step sends one chunk of it, 1/N (hint 3)."),
+    _Slip(lambda p, d, n, a, bw: 2 * (n - 1) / n * p / bw,
+          "you counted parameters, not bytes: the message is the gradients' bytes (hints 1 and 2)."),
+    _Slip(lambda p, d, n, a, bw: 2 * (n - 1) / n * p * 4 / bw,
+          "you used 4 bytes per gradient whatever grad_dtype is; bf16 gradients are 2 bytes each (hint 2)."),
+    _Slip(lambda p, d, n, a, bw: 2 * (n - 1) / n * p * _size(d) * 8 / bw,
+          "8 times too long: bits where bytes were meant (busbw is in bytes/s; hint 2)."),
+)
+
+
+def _check_prediction(predict_allreduce) -> None:
+    import torch
+
+    def answer(p, d, n, a, bw):
+        return _number(predict_allreduce(p, d, n, a, bw), "predict_allreduce(...) returned")
+
+    def reference(p, d, n, a, bw):
+        return _predict(p, _size(d), n, a, bw)
+
+    def show(job, got, want):
+        p, d, n, a, bw = job
+        return (f"predict_allreduce({p:.3g} parameters, {_name(d)}, {n} ranks, {a:.3g} s per step, "
+                f"{bw / 1e9:.3g} GB/s) = {got:.4g} s, expected {want:.4g} s")
+
+    latency = [(0, torch.bfloat16, n, 3e-6, 100e9) for n in (8, 4)]
+    _name_the_slip(answer, reference, LATENCY_SLIPS, latency, show,
+                   "with nothing to send only the steps' latency is left (hint 3).")
+    nbytes = [(1e9, torch.bfloat16, 8, 0.0, 100e9), (1e9, torch.float32, 8, 0.0, 100e9),
+              (1e9, torch.bfloat16, 4, 0.0, 100e9)]
+    _name_the_slip(answer, reference, BYTES_SLIPS, nbytes, show,
+                   "with no latency only the bytes through each link at busbw are left (hint 3).")
+
+
+# Part 3: the node's bus bandwidth from its datasheet, one number.
+DGX_BUSBW_SLIPS = (
+    _Slip(lambda: DGX_BUSBW / NVLINK5_LINKS,
+          "18 times too small: one NVLink's bandwidth. A B200 has 18 links through NVSwitch and a ring uses "
+          "all of them at once (hint 1)."),
+    _Slip(lambda: DGX_BUSBW * 8, "8 times too large: 400 Gbit/s is in bits, busbw in bytes/s (hint 1)."),
+    _Slip(lambda: NVLINK5_LINK_GBIT * 1e9, "one link's 400 Gbit/s, taken as bytes: a ring over NVSwitch "
+                                           "uses all 18 links, and 400 Gbit/s is in bits (hint 1)."),
+    _Slip(lambda: DGX_BUSBW * 2, "twice too large: you added the other direction (like the headline 1.8 TB/s). "
+                                 "400 Gbit/s is one direction of a link already; a ring sends and receives at "
+                                 "once, so one direction bounds it (hint 1)."),
+    _Slip(lambda: DGX_BUSBW / 2, "half of it: 400 Gbit/s is what a link carries in each direction; a "
+                                 "ring's sending does not take from its receiving (hint 1)."),
+)
+
+
+def _check_busbw(dgx_busbw) -> None:
+    if dgx_busbw is None:
+        raise CheckFailed("dgx_busbw is None: set the DGX B200 node's bus bandwidth from its datasheet")
+    busbw = _number(dgx_busbw, "dgx_busbw is", "bytes per second")
+    # the expected value is not shown: finding it is the exercise
+    _name_the_slip(lambda: busbw, lambda: DGX_BUSBW, DGX_BUSBW_SLIPS, [()],
+                   lambda job, got, want: f"dgx_busbw = {got / 1e9:.4g} GB/s",
+                   "not what bounds a GPU's ring traffic through NVSwitch (hint 1).")
+
+
+def _dgx_slips(own_latency, own_busbw, world_size) -> list[_Slip]:
+    """dgx_allreduce_seconds(num_params, grad_dtype, gpus) with each known slip, given part 2's
+    prediction; ``own_latency``, ``own_busbw``: the ring of the learner's fit on ``world_size``."""
+    def node(p, d, n, size=None, latency=NCCL_ALPHA, busbw=DGX_BUSBW):
+        return _predict(p, _size(d) if size is None else size, n, latency, busbw)
+
+    return [
+        _Slip(lambda p, d, n: node(p, d, n, size=4), "4 bytes per gradient whatever grad_dtype is: bf16 "
+                                                     "gradients are 2 bytes each (hint 2)."),
+        _Slip(lambda p, d, n: node(p, d, n, size=2), "bf16 whatever grad_dtype is: the function is asked for "
+                                                     "fp32 gradients too (hint 2)."),
+        _Slip(lambda p, d, n: node(p * _size(d), d, n), "the bytes are counted twice: predict_allreduce takes "
+                                                        "the number of parameters (hint 2)."),
+        _Slip(lambda p, d, n: node(p, d, n, size=1), "you counted parameters, not bytes: the message is the "
+                                                     "gradients' bytes (hint 2)."),
+        _Slip(lambda p, d, n: 2 * (n - 1) * NCCL_ALPHA + p * _size(d) / DGX_BUSBW,
+              "that is the buffer sent once (algorithm bandwidth); at bus bandwidth each link carries 2(N-1)/N "
+              "of it (hint 2)."),
+        _Slip(lambda p, d, n: node(p, d, 8), "the same on 4 GPUs as on 8: the ring has `gpus` ranks (hint 2)."),
+        _Slip(lambda p, d, n: node(p, d, world_size), f"a ring of {world_size} ranks whatever `gpus` is: the "
+                                                      "number of ranks of your own measurement (hint 2)."),
+        _Slip(lambda p, d, n: node(p, d, n, latency=own_latency, busbw=own_busbw),
+              "that is this machine's ring, from your fit: the node's latency per step and bus bandwidth are "
+              "its own (hint 2)."),
+        _Slip(lambda p, d, n: node(p, d, n, latency=own_latency),
+              "the latency per step is this machine's, from your fit: the node's is DGX_STEP_LATENCY (hint 2)."),
+        _Slip(lambda p, d, n: node(DGX_MODEL_PARAMS, d, n), "the 8B model whatever num_params is (hint 2)."),
+    ]
+
+
+def _check_dgx(dgx_allreduce_seconds, own_ring, world_size) -> None:
+    """Latency alone (0 parameters) on 8 and 4 GPUs, then the 8B model in bf16 and fp32 on 8 GPUs,
+    and in bf16 on 4: every slip of _dgx_slips changes one of these, each differently."""
+    import torch
+
+    def answer(p, d, n):
+        return _number(dgx_allreduce_seconds(p, d, n), "dgx_allreduce_seconds(...) returned")
+
+    def show(job, got, want):
+        p, d, n = job
+        return (f"dgx_allreduce_seconds({p:.3g} parameters, {_name(d)}, {n} GPUs) = {got * 1e3:.4g} ms, "
+                f"expected {want * 1e3:.4g} ms")
+
+    jobs = [(0, torch.bfloat16, 8), (0, torch.bfloat16, 4), (DGX_MODEL_PARAMS, torch.bfloat16, 8),
+            (DGX_MODEL_PARAMS, torch.float32, 8), (DGX_MODEL_PARAMS, torch.bfloat16, 4)]
+    _name_the_slip(answer, lambda p, d, n: _predict(p, _size(d), n, NCCL_ALPHA, DGX_BUSBW),
+                   _dgx_slips(*own_ring, world_size), jobs, show,
+                   "the node's all-reduce is part 2's prediction with the node's numbers (hint 2).")
+
+
+def check_dgx_prediction(ring_from_fit, predict_allreduce, dgx_busbw, dgx_allreduce_seconds, fit,
+                         world_size) -> None:
+    """Check the answers of chapter 08's exercise.
 
     ``ring_from_fit(alpha, beta, world_size)`` -> (seconds per ring step, bus bandwidth in
     bytes/s) of an all-reduce fit ``t = alpha + beta * bytes`` measured on ``world_size`` ranks;
     ``predict_allreduce(num_params, grad_dtype, world_size, step_latency, busbw)`` -> seconds
-    of one ring all-reduce of the gradients; ``dgx_seconds``: that prediction for the 8B
-    model in bf16 on one DGX B200 node. ``fit`` = (alpha, beta) the learner measured.
+    of one ring all-reduce of the gradients; ``dgx_busbw``: a DGX B200 node's bus bandwidth;
+    ``dgx_allreduce_seconds(num_params, grad_dtype, gpus)`` -> that all-reduce on ``gpus`` GPUs
+    of the node. ``fit`` = (alpha, beta) the learner measured.
     """
+    own_ring = _ring(*(float(v) for v in fit), world_size)
     try:
-        _check(ring_from_fit, predict_allreduce, dgx_seconds, fit, world_size)
+        _check_ring(ring_from_fit, fit, world_size)
+        _check_prediction(predict_allreduce)
+        _check_busbw(dgx_busbw)
+        _check_dgx(dgx_allreduce_seconds, own_ring, world_size)
     except NotImplementedError:
-        raise CheckFailed("a function still raises NotImplementedError: write ring_from_fit and "
-                          "predict_allreduce first.") from None
-
-
-def _check(ring_from_fit, predict_allreduce, dgx_seconds, fit, world_size) -> None:
+        raise CheckFailed("a function still raises NotImplementedError: write ring_from_fit, "
+                          "predict_allreduce and dgx_allreduce_seconds first.") from None
     import torch
 
-    alpha, beta = (float(v) for v in fit)
-    # --- 1. two made-up fits on more ranks, then the learner's own (on 2 ranks the bus
-    # factor 2(n-1)/n and the steps' N-1 are 1: the learner's fit cannot tell those apart) ---
-    for a, b, n in [(20e-6, 1 / 3e9, 4), (4e-6, 1 / 40e9, 8), (alpha, beta, world_size)]:
-        got_latency, got_busbw = _pair(ring_from_fit(a, b, n), f"ring_from_fit({a:.3g}, {b:.3g}, {n})")
-        want_latency, want_busbw = _ring(a, b, n)
-        where = f"ring_from_fit(alpha={a:.3g} s, beta={b:.3g} s/B, {n} ranks)"
-        if not close(got_latency, want_latency, rtol=1e-6, atol=0):
-            if close(got_latency, a, rtol=1e-6, atol=0):
-                raise CheckFailed(f"{where}: the latency per step is alpha itself. alpha is the fixed "
-                                  f"cost of the whole all-reduce, and a ring all-reduce makes 2(N-1) = "
-                                  f"{2 * (n - 1)} steps that each pay the latency: divide by 2(N-1).")
-            if close(got_latency, a / (n - 1), rtol=1e-6, atol=0):
-                raise CheckFailed(f"{where}: you divided alpha by N-1, the steps of one pass around the "
-                                  "ring; an all-reduce is a reduce-scatter and an all-gather: 2(N-1) steps.")
-            raise CheckFailed(f"{where}: latency per step {got_latency:.4g} s, expected {want_latency:.4g} s "
-                              "(alpha over the ring's 2(N-1) steps).")
-        if not close(got_busbw, want_busbw, rtol=1e-6, atol=0):
-            algbw = 1 / b
-            if close(got_busbw, algbw, rtol=1e-6, atol=0):
-                raise CheckFailed(f"{where}: 1/beta = {algbw / 1e9:.4g} GB/s is the algorithm bandwidth "
-                                  "(bytes of the buffer per second). Each link carries 2(N-1)/N of the "
-                                  f"buffer, so the bus bandwidth is 2(N-1)/N / beta = {want_busbw / 1e9:.4g} "
-                                  "GB/s. (On 2 ranks the factor is 1: your own fit could not show it.)")
-            if close(got_busbw, algbw * algbw / want_busbw, rtol=1e-6, atol=0):
-                raise CheckFailed(f"{where}: the factor is upside down: busbw = algbw x 2(N-1)/N "
-                                  "(each link carries more than the buffer once).")
-            raise CheckFailed(f"{where}: bus bandwidth {got_busbw / 1e9:.4g} GB/s, expected "
-                              f"{want_busbw / 1e9:.4g} GB/s (2(N-1)/N / beta).")
-
-    # --- 2. the prediction: latency alone (no bytes), then bandwidth alone (no latency) ---
-    for dtype in (torch.bfloat16, torch.float32):
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        for n in (2, 8):
-            got = predict_allreduce(0, dtype, n, 3e-6, 100e9)
-            if got is None:
-                raise CheckFailed("predict_allreduce(...) returned None: return the time in seconds")
-            got, want = float(got), _predict(0, itemsize, n, 3e-6, 100e9)
-            if not close(got, want, rtol=1e-6, atol=0):
-                if close(got, 3e-6, rtol=1e-6, atol=0):
-                    raise CheckFailed(f"predict_allreduce on {n} ranks: the latency counts once ({got:.3g} s); "
-                                      f"every one of the ring's 2(N-1) = {2 * (n - 1)} steps pays it: "
-                                      "2(N-1) x step_latency.")
-                raise CheckFailed(f"predict_allreduce(0 parameters, {n} ranks, 3e-6 s per step) = {got:.4g} s: "
-                                  f"with nothing to send only the latency is left, {want:.4g} s.")
-            got = float(predict_allreduce(1e9, dtype, n, 0.0, 100e9))
-            want = _predict(1e9, itemsize, n, 0.0, 100e9)
-            if close(got, want, rtol=1e-6, atol=0):
-                continue
-            where = (f"predict_allreduce(1e9 parameters, {str(dtype).replace('torch.', '')}, {n} ranks, "
-                     f"no latency, 100 GB/s) = {got:.4g} s, expected {want:.4g} s: ")
-            if n > 2 and close(got, want * n / (2 * (n - 1)), rtol=1e-6, atol=0):
-                raise CheckFailed(where + "that is the buffer sent once (algorithm bandwidth). At bus "
-                                  "bandwidth every link carries 2(N-1)/N of the buffer: multiply by it.")
-            if close(got, want / itemsize, rtol=1e-6, atol=0):
-                raise CheckFailed(where + "you counted parameters, not bytes: multiply by the bytes of "
-                                  "one gradient element (grad_dtype's element size).")
-            if close(got, want * 4 / itemsize, rtol=1e-6, atol=0):
-                raise CheckFailed(where + "you used 4 bytes per gradient whatever grad_dtype is; bf16 "
-                                  "gradients are 2 bytes each (torch.tensor([], dtype=...).element_size()).")
-            if close(got, want * 8, rtol=1e-6, atol=0):
-                raise CheckFailed(where + "8 times too long: bits where bytes were meant. busbw is in bytes/s.")
-            raise CheckFailed(where + "2(N-1)/N x num_params x bytes per element / busbw.")
-
-    # --- 3. the DGX B200 node, from its datasheet ---
-    from ..costmodel import NCCL_ALPHA
-
-    if dgx_seconds is None:
-        raise CheckFailed("dgx_seconds is None: compute the prediction for the DGX B200 node")
-    busbw = NVLINK5_LINKS * NVLINK5_LINK_GBIT * 1e9 / 8
-    want = _predict(DGX_MODEL_PARAMS, 2, DGX_GPUS, NCCL_ALPHA, busbw)
-    latency = 2 * (DGX_GPUS - 1) * NCCL_ALPHA
-    ratio = (float(dgx_seconds) - latency) / (want - latency)  # of the bandwidth terms
-    where = f"dgx_seconds = {float(dgx_seconds) * 1e3:.4g} ms, expected {want * 1e3:.4g} ms: "
-    if close(ratio, 1.0, rtol=1e-4, atol=0):
-        passed(f"ring parameters from your fit ({_ring(alpha, beta, world_size)[0] * 1e6:.1f} us per step, "
-               f"{_ring(alpha, beta, world_size)[1] / 1e9:.2f} GB/s bus bandwidth) and the all-reduce of "
-               f"an 8B model's bf16 gradients on a DGX B200 node: {want * 1e3:.1f} ms")
-        return
-    mistakes = [
-        (NVLINK5_LINKS, "18 times too long: that is one NVLink's bandwidth. A B200 has 18 links through "
-                        "NVSwitch and a ring uses all of them at once: busbw = 18 x one link."),
-        (1 / 8, "8 times too short: 400 Gbit/s is in bits. Divide by 8 for bytes: 50 GB/s per link "
-                "per direction."),
-        (8 * NVLINK5_LINKS, "144 = 8 x 18 times too long: one link, and in bits."),
-        (2.0, "twice too long: the gradients are bf16, 2 bytes each, not 4 (fp32)."),
-        (0.5, "half what it should be: 400 Gbit/s is one direction of a link already; a ring sends "
-              "and receives at once, so don't add the other direction."),
-        (DGX_GPUS / (2 * (DGX_GPUS - 1)), "that is the buffer sent once (algorithm bandwidth): each "
-                                          "link carries 2(N-1)/N of it."),
-    ]
-    for factor, message in mistakes:
-        if close(ratio, factor, rtol=1e-3, atol=0):
-            raise CheckFailed(where + message)
-    raise CheckFailed(where + "predict_allreduce(8.0e9, torch.bfloat16, 8, DGX_STEP_LATENCY, busbw) with "
-                      "busbw = 18 links x 400 Gbit/s / 8 bits per byte.")
+    model = _predict(DGX_MODEL_PARAMS, _size(torch.bfloat16), 8, NCCL_ALPHA, DGX_BUSBW)
+    passed(f"ring parameters from your fit ({own_ring[0] * 1e6:.1f} us per step, {own_ring[1] / 1e9:.2f} GB/s "
+           f"bus bandwidth), the prediction on 5 jobs and the DGX B200 node's on 5 more: the gradient "
+           f"all-reduce of an 8B model in bf16 on its 8 GPUs takes {model * 1e3:.1f} ms")

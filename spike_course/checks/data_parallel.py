@@ -144,57 +144,261 @@ def _largest_magnitude(tensors: dict) -> float:
     return max(float(v.abs().max()) for v in tensors.values())
 
 
-def check_distributed_accuracy(reported: dict, correct: int, total: int, shards: dict,
-                               evaluated: dict | None = None) -> None:
-    """Check an all-reduced evaluation against a single-process count of ``correct`` of ``total``.
+# --- exercise 2: an evaluation split between the ranks ---
 
-    ``reported[r]`` is the accuracy rank r's evaluate() returned; ``shards[r]`` is that rank's
-    own ``(correct, seen, correct_with_padding, seen_with_padding)``: its counts over
-    its real samples, and over everything its DistributedSampler gave it, padding included;
-    ``evaluated[r]`` how many samples rank r's model ran on during evaluate(). Names the
-    usual mistakes; a whole test set evaluated on every rank gives the right number, so the
-    split is checked first.
+U32, U64 = 2.0 ** -24, 2.0 ** -53  # the unit roundoffs of float32 and float64
+METRICS = ("accuracy", "recall", "loss")  # the counts first: they tell the mistakes apart exactly
+
+
+def check_distributed_accuracy(job, images, labels, log_probs) -> None:
+    """Check exercise 2 of chapter 03: the test loss, the accuracy and every class's recall over a
+    test set that DistributedSampler(shuffle=False) splits between the ranks, with one collective.
+
+    ``job`` is the launch of ``evaluate.py`` (``check=False``, so that a blank exercise reaches
+    this check) or its reports. Each rank reports ``"result"`` (what evaluate returned),
+    ``"forwards"`` (every forward pass of the model during evaluate: its input, its output and
+    whether the model was in training mode) and ``"collectives"`` (CommDebugMode's counts).
+    ``images`` and ``labels`` are the whole test set in order, ``log_probs`` one process's output
+    for all of it with the same weights; every class occurs in ``labels``. The steps go from what
+    makes a comparison meaningless (dropout on, samples run never or by the wrong rank) to the
+    values, and end with the number of collectives.
     """
-    if evaluated is not None:
-        _check_split(evaluated, total)
-    expected = correct / total
-    values = {rank: float(value) for rank, value in reported.items()}
-    if len(set(values.values())) > 1:
-        raise CheckFailed(
-            f"the ranks report different accuracies {values}: each one measured its own shard only. "
-            "all_reduce the correct and seen counts (ReduceOp.SUM) so that every rank gets the whole "
-            "test set's accuracy.")
-    value = next(iter(values.values()))
-    if abs(value - expected) < 1e-6:
-        return passed(f"all-reduced accuracy {value:.4f} equals the single-process accuracy ({correct}/{total})")
-    padded_c = sum(s[2] for s in shards.values())
-    padded_n = sum(s[3] for s in shards.values())
-    if padded_n != total and abs(value - padded_c / padded_n) < 1e-6:
-        raise CheckFailed(
-            f"accuracy {value:.6f} counts the padding: {padded_n} samples, but the test set has {total}. "
-            "DistributedSampler repeats a few samples so every rank gets the same number; those were "
-            "counted twice. Count a sample only where its position i * num_replicas + rank is below "
-            "len(dataset).")
-    for rank, s in sorted(shards.items()):
-        if any(n and abs(value - c / n) < 1e-6 for c, n in ((s[0], s[1]), (s[2], s[3]))):
-            raise CheckFailed(f"accuracy {value:.6f} is rank {rank}'s shard only, not the whole test set: "
-                              "all_reduce the correct and seen counts before dividing")
-    means = [sum(s[i] / s[i + 1] for s in shards.values()) / len(shards) for i in (0, 2)]
-    if any(abs(value - mean) < 1e-6 for mean in means):
-        raise CheckFailed(
-            f"accuracy {value:.6f} is the mean of the ranks' accuracies; with shards of different sizes "
-            "that is not the accuracy of the test set. all_reduce the correct and seen COUNTS, then divide.")
-    raise CheckFailed(f"accuracy {value:.6f} differs from the single-process {expected:.6f} ({correct}/{total})")
+    ranks = launch_reports(job, "evaluate")
+    results = {rank: _result(rank, got.get("result"), log_probs.shape[1]) for rank, got in sorted(ranks.items())}
+    runs = _runs(ranks, images)
+    real = _check_split(runs, len(labels))
+    expected, tolerance = _one_process(labels, log_probs, runs, real)
+    got = _same_on_every_rank(results, ranks)
+    for metric in METRICS:
+        if not _within(got[metric], expected[metric], tolerance[metric]):
+            raise CheckFailed(_mistake(metric, got[metric], expected, tolerance, runs, real, labels))
+    _check_one_collective(ranks)
+    passed(f"loss {float(got['loss']):.4f}, accuracy {float(got['accuracy']):.4f} and {len(got['recall'])} "
+           f"recalls over the {len(labels)} test samples, the same on {len(ranks)} ranks as in one process, each "
+           "rank running the model on its own shard, with one all-reduce")
 
 
-def _check_split(evaluated: dict, total: int) -> None:
-    """Each rank runs the model on its own share of the test set only, and the shares cover it."""
-    share = -(-total // len(evaluated))  # a DistributedSampler's share, padding included
-    for rank, count in sorted(evaluated.items()):
-        if count > share:
-            raise CheckFailed(f"rank {rank} ran the model on {count} test samples, more than one rank's "
-                              f"share ({share} of {total} on {len(evaluated)} ranks): the evaluation was not "
-                              "split between the ranks, so it is not distributed.")
-    if sum(evaluated.values()) < total:
-        raise CheckFailed(f"the ranks ran the model on {sum(evaluated.values())} test samples together, fewer "
-                          f"than the {total} of the test set: some samples were never evaluated.")
+def _result(rank: int, result, classes: int) -> dict:
+    """What rank ``rank``'s evaluate returned, as float64 tensors."""
+    import torch
+
+    if not isinstance(result, dict) or not set(METRICS) <= result.keys():
+        raise CheckFailed(f"rank {rank}'s evaluate returned {str(result)[:80]!r}, not a dict with the keys 'loss', "
+                          "'accuracy' and 'recall' (see the statement).")
+    try:
+        values = {key: torch.as_tensor(result[key], dtype=torch.float64).flatten() for key in METRICS}
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise CheckFailed(f"rank {rank}'s evaluate returned values that are not numbers ({error})") from None
+    sizes = {key: value.numel() for key, value in values.items()}
+    if sizes != {"loss": 1, "accuracy": 1, "recall": classes}:
+        raise CheckFailed(f"rank {rank}'s evaluate returned {sizes} numbers for {list(sizes)}: one loss, one "
+                          f"accuracy and a recall for each of the {classes} classes.")
+    return values
+
+
+def _runs(ranks: dict, images) -> dict:
+    """Per rank, the batches its model ran on during evaluate: (test-set indices, float64
+    log-probabilities). The model in training mode, or inputs that are not test images, end here."""
+    import torch
+
+    where = {image.numpy().tobytes(): i for i, image in enumerate(images.float().contiguous())}
+    runs = {}
+    for rank, got in sorted(ranks.items()):
+        batches = []
+        for inputs, outputs, training in got.get("forwards", []):
+            if training:
+                raise CheckFailed(
+                    f"rank {rank} ran the model in training mode during evaluate: dropout zeroed random "
+                    "activations, so its predictions and losses are those of a random thinned network, not of "
+                    "the model. Turn dropout off for the evaluation (Hint 2).")
+            found = [where.get(x.float().contiguous().numpy().tobytes()) for x in inputs]
+            if None in found:
+                raise CheckFailed(f"rank {rank}'s model ran on inputs that are not images of the test set: give the "
+                                  "model the loader's images as they come (moved to the device, nothing else).")
+            indices = torch.tensor(found, dtype=torch.long)
+            if not (batches and torch.equal(batches[-1][0], indices)):  # the same batch twice counts once
+                batches.append((indices, outputs.double()))
+        runs[rank] = batches
+    return runs
+
+
+def _check_split(runs: dict, n: int) -> dict:
+    """Each rank ran the model on its DistributedSampler(shuffle=False) shard only, on every real
+    sample of it. Returns each rank's real samples: its shard without the repeats."""
+    world = len(runs)
+    total = -(-n // world) * world
+    order = (list(range(n)) * -(-total // n))[:total]  # the sampler's order, its repeats appended
+    real = {rank: set(range(rank, n, world)) for rank in runs}  # the positions below n
+    for rank, batches in sorted(runs.items()):
+        ran = {i for indices, _ in batches for i in indices.tolist()}
+        if world > 1 and len(ran) == n:
+            raise CheckFailed(
+                f"rank {rank} ran the model on all {n} test samples: every rank evaluated the whole test set, so "
+                f"nothing was split (the right numbers, at {world} times the cost). Each rank runs the model only "
+                "on the shard DistributedSampler(dataset, shuffle=False) deals it (Hint 1).")
+        outside = sorted(ran - set(order[rank:total:world]))
+        if outside:
+            raise CheckFailed(
+                f"rank {rank} ran the model on {len(outside)} samples of other ranks' shards (sample {outside[0]}, "
+                "for one): the test set was split otherwise than DistributedSampler(dataset, shuffle=False) "
+                "splits it, the split the training loader uses (Hint 2).")
+        missing = sorted(real[rank] - ran)
+        if missing:
+            raise CheckFailed(
+                f"rank {rank}'s model never ran on {len(missing)} of the {len(real[rank])} samples of its shard "
+                f"(sample {missing[0]}, for one), so nothing can count them: run the model on the whole shard, "
+                "batch by batch (Hint 3).")
+    return real
+
+
+def _sums(indices, log_probs, labels) -> dict:
+    """What adds up over samples: the loss sum, and per class the right predictions, the samples
+    and the predictions."""
+    import torch
+
+    y, classes = labels[indices], log_probs.shape[1]
+    predicted = log_probs.argmax(1)
+    return {"loss": -log_probs.gather(1, y[:, None]).sum(),
+            "right": torch.bincount(y[predicted == y], minlength=classes).double(),
+            "seen": torch.bincount(y, minlength=classes).double(),
+            "predicted": torch.bincount(predicted, minlength=classes).double()}
+
+
+def _add(parts) -> dict:
+    parts = list(parts)
+    return {key: sum(part[key] for part in parts) for key in parts[0]}
+
+
+def _ratios(s: dict) -> dict:
+    return {"loss": s["loss"] / s["seen"].sum(), "accuracy": s["right"].sum() / s["seen"].sum(),
+            "recall": s["right"] / s["seen"], "precision": s["right"] / s["predicted"]}
+
+
+def _mean(ratios: list) -> dict:
+    import torch
+
+    return {key: torch.stack([torch.as_tensor(r[key]) for r in ratios]).mean(0) for key in ratios[0]}
+
+
+def _one_process(labels, log_probs, runs: dict, real: dict) -> tuple[dict, dict]:
+    """The one process's results in float64, and how far an evaluation over the ranks that does
+    the right arithmetic may be from them, metric by metric."""
+    import torch
+
+    n = len(labels)
+    one = log_probs.double()
+    expected = _ratios(_sums(torch.arange(n), one, labels))
+    ours = one.clone()  # the ranks' own log-probabilities of their real samples
+    for rank, batches in runs.items():
+        for indices, out in batches:
+            keep = torch.tensor([i in real[rank] for i in indices.tolist()], dtype=torch.bool)
+            ours[indices[keep]] = out[keep]
+    loss, our_loss = (-lp.gather(1, labels[:, None])[:, 0] for lp in (one, ours))
+    flips = torch.bincount(labels[ours.argmax(1) != one.argmax(1)], minlength=one.shape[1]).double()
+    tolerance = {
+        # Counts are exact. A sample whose prediction differs between the ranks' forward pass and
+        # the one process's (batches of other sizes round differently) moves a count by one; the
+        # division, rounded in float32 at worst, and the conversion add 2 u32 relative.
+        "accuracy": flips.sum() / n + 2 * U32 * expected["accuracy"],
+        "recall": flips / torch.bincount(labels, minlength=one.shape[1]) + 2 * U32 * expected["recall"],
+        # The loss: the ranks' per-sample losses differ from the one process's by exactly
+        # sum_i |l_i(ranks) - l_i(one)| / n, read from the recorded outputs; each per-sample loss may be
+        # rounded once more in float32 (u32 l_i); float64 sums of n terms, the all-reduce over W ranks
+        # and the division lose at most gamma_(n+W+1) sum_i l_i / n <= (n + W + 2) u64 L.
+        "loss": ((our_loss - loss).abs().sum() + U32 * loss.sum()) / n + (n + len(runs) + 2) * U64 * expected["loss"],
+    }
+    return expected, tolerance
+
+
+def _within(value, expected, tolerance) -> bool:
+    """Within tolerance, element by element; NaN only where ``expected`` is NaN too (a ratio 0/0)."""
+    return bool((((value - expected).abs() <= tolerance) | (value.isnan() & expected.isnan())).all())
+
+
+def _same_on_every_rank(results: dict, ranks: dict) -> dict:
+    import torch
+
+    first = min(results)
+    for rank, got in sorted(results.items()):
+        for metric in METRICS:
+            if not torch.allclose(got[metric], results[first][metric], rtol=0, atol=0, equal_nan=True):
+                why = ("evaluate made no collective, so each rank's numbers are those of its own shard"
+                       if not sum(ranks[rank].get("collectives", {}).values()) else
+                       "after the collective every rank holds the same totals, so a rank that divides by a count of "
+                       "its own, or that some collective left out, returns other numbers")
+                raise CheckFailed(f"the ranks return different results ({metric} {results[first][metric].tolist()} on "
+                                  f"rank {first}, {got[metric].tolist()} on rank {rank}): {why} (Hint 1).")
+    return results[first]
+
+
+PADDING = ("it counts the {repeats} repeat(s) that DistributedSampler added so that every rank gets {per_rank} "
+           "samples ({counted} samples counted, the test set has {n}); a rank's model may run on a repeat, but the "
+           "repeat must not count. Where do the repeats land in a rank's shard? (Hint 1)")
+RANKS = ("it is the mean of the ranks' own {metric} values, but the shards differ in size ({sizes} real "
+         "samples{per_class}), so the mean of their ratios is not the ratio over the test set: add up over the "
+         "ranks what the ratios are made of, and divide last (Hint 1)")
+BATCHES = ("it is the mean of the per-batch {metric} values, but the batches differ in size ({batches} samples), so "
+           "a small batch weighs as much as a full one: add up sums and counts, not means (Hint 1)")
+PRECISION = ("each class's value divides its right predictions by the samples PREDICTED as that class, which is "
+             "the class's precision; its recall divides by the samples LABELLED with it (Hint 1)")
+
+
+def _usual_mistakes(runs: dict, real: dict, labels, metric: str):
+    """(the mistakes, what they return for ``metric``), computed from the ranks' own log-probabilities."""
+    for padding in (False, True):  # the repeats left out, or counted
+        batches = {}
+        for rank, ran in runs.items():
+            keep = [[padding or i in real[rank] for i in indices.tolist()] for indices, _ in ran]
+            batches[rank] = [_sums(indices[k], out[k], labels) for (indices, out), k in zip(ran, keep)]
+        shards = [_add(b) for b in batches.values()]
+        said = [PADDING] if padding else []
+        if padding:
+            yield said, _ratios(_add(shards))[metric]
+        yield said + [RANKS], _mean([_ratios(s) for s in shards])[metric]
+        if metric == "recall":
+            yield said + [PRECISION], _ratios(_add(shards))["precision"]
+            continue
+        per_batch = {rank: [_ratios(s) for s in b if s["seen"].sum()] for rank, b in batches.items()}
+        yield said + [BATCHES], _mean([r for b in per_batch.values() for r in b])[metric]
+        yield said + [BATCHES, RANKS], _mean([_mean(b) for b in per_batch.values()])[metric]
+
+
+def _facts(metric: str, runs: dict, real: dict, n: int) -> dict:
+    """What the messages of the usual mistakes quote."""
+    world = len(runs)
+    per_rank = -(-n // world)
+    return dict(metric=metric, n=n, per_rank=per_rank, repeats=per_rank * world - n, counted=per_rank * world,
+                sizes=" and ".join(str(len(real[rank])) for rank in sorted(real)),
+                per_class=", and each class a different number on each rank" if metric == "recall" else "",
+                batches=" and ".join(map(str, sorted({len(ix) for b in runs.values() for ix, _ in b}, reverse=True))))
+
+
+def _mistake(metric: str, value, expected: dict, tolerance: dict, runs: dict, real: dict, labels) -> str:
+    """What to say about a wrong ``metric``: the usual mistake it matches, float32 sums, or the difference."""
+    n, world, right = len(labels), len(runs), expected[metric]
+    if metric == "recall":
+        c = int((value - right).abs().nan_to_num(float("inf")).argmax())
+        said = f"the recall of class {c} is {value[c].item():.8g}, the one process's {right[c].item():.8g}"
+    else:
+        said = f"the {metric} is {value.item():.8g}, the one process's {right.item():.8g}"
+    for mistakes, candidate in _usual_mistakes(runs, real, labels, metric):
+        if _within(value, candidate, tolerance[metric]):
+            return f"{said}: " + "; and ".join(m.format(**_facts(metric, runs, real, n)) for m in mistakes) + "."
+    # float32 sums of the n per-sample losses, in any order, then the all-reduce and the division:
+    # at most gamma_(n+W+1) sum_i l_i / n <= (n + W + 2) u32 L off.
+    if metric == "loss" and _within(value, right, tolerance[metric] + (n + world + 2) * U32 * right):
+        return (f"{said}, off by {(value - right).abs().item():.2g}: more than the rounding of float32 "
+                f"log-probabilities allows ({tolerance[metric].item():.2g}), but as much as float32 sums lose. Sum "
+                "the losses in float64 (Hint 2).")
+    return (f"{said}, and none of the usual mistakes (repeats counted, ratios of the ranks or of the batches "
+            "averaged) gives that. Compare your steps with the shape of the code in Hint 3.")
+
+
+def _check_one_collective(ranks: dict) -> None:
+    for rank, got in sorted(ranks.items()):
+        counts = got.get("collectives", {})
+        if sum(counts.values()) != 1:
+            raise CheckFailed(
+                f"the results are right, but rank {rank}'s evaluate made {sum(counts.values())} collectives "
+                f"({_describe(counts)}): one tensor can carry every sum and count, in one all-reduce, and each "
+                "collective pays its start-up latency (Hint 1).")

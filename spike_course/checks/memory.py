@@ -4,14 +4,16 @@ a job's bytes per GPU with the cost model).
 Exercise 1's check reads each rank's report in the steps a learner takes: the model build()
 returns, how it is sharded, what its forward saves for backward, the weights and buffers it
 starts from, and where training ends. Most of its mistakes show in byte counts set against the
-cost model, so they sit in tables of known mistakes (name, how its readings show it, message);
-exercise 2's usual slips are such a table too (_peak_slips)."""
+cost model; where two mistakes give the same bytes, what the worker saw of the model (its FSDP
+units, what its forward computed in and on how many sequences) names the one that was made.
+They sit in tables of known mistakes (name, how its readings show it, message); exercise 2's
+usual slips are such a table too (_peak_slips)."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
 
-from ._common import CheckFailed, borrowed_names, largest_difference, passed
+
+from ._common import CheckFailed, Mistake, borrowed_names, largest_difference, name_the_first, passed
 
 
 def _tensors_equal(a: dict, b: dict) -> bool:
@@ -52,6 +54,7 @@ class _Rank:
     def __init__(self, rank: int, report: dict, model: _Model, world: int, budget: float):
         self.rank, self.report, self.model, self.world, self.budget = rank, report, model, world, budget
         self.fit, self.ddp, self.batch = report["fit"], report["ddp"], report["batch"]
+        self.blocks = [f"layers.{i}" for i in range(model.shape["n_layers"])]
 
     @property
     def parameters(self) -> int:
@@ -75,48 +78,44 @@ class _Rank:
         """The bytes a forward saves for backward, by the cost model: this rank's batch unless told."""
         return self.model.activations(self.batch if batch is None else batch, **options)
 
-    def saved_like_some_forward(self) -> bool:
-        """Whether the bytes saved are what an honest forward saves: this batch or a smaller one,
-        checkpointed per block or not, in any precision."""
-        return self.saved in {self.activations(b, checkpoint=c, precision=p) for b in range(1, self.batch + 1)
-                              for c in (False, True) for p in ("fp32", "autocast", "bf16")}
+    def least_saved_per_block(self) -> int:
+        """The least that a forward checkpointed per block saves, on the batch it saw, in a
+        precision that fits what it computed in (autocast saves more than bf16 does)."""
+        precisions = ("fp32",) if self.fit["computed_in"] == ["torch.float32"] else ("autocast", "bf16")
+        return min(self.activations(self.fit["forward_batch"], checkpoint=True, precision=p) for p in precisions)
 
+    @property
+    def blocks_not_units(self) -> str:
+        """The blocks that are not FSDP units of their own, named for a message ("" if none)."""
+        return ", ".join(b for b in self.blocks if b not in self.report["units"])
 
-class _Mistake(NamedTuple):
-    """A known mistake: its name, how a rank's readings show it, and what the learner is told."""
-    name: str
-    seen: Callable[[_Rank], bool]
-    message: Callable[[_Rank], str]
-
-
-def _name_the_first(mistakes, r: _Rank) -> None:
-    """Fail with the message of the first of ``mistakes`` that ``r``'s readings show."""
-    for mistake in mistakes:
-        if mistake.seen(r):
-            raise CheckFailed(mistake.message(r))
+    @property
+    def blocks_kept_gathered(self) -> str:
+        """The blocks that are FSDP units but keep their parameters gathered after their forward."""
+        return ", ".join(b for b in self.blocks if self.report["units"].get(b) is False)
 
 
 def _first_cause(causes, r: _Rank, otherwise: str) -> str:
     """The message of the first of ``causes`` that ``r``'s readings show, else ``otherwise``."""
-    return next((cause.message(r) for cause in causes if cause.seen(r)), otherwise)
+    return next((cause.text(r) for cause in causes if cause.seen(r)), otherwise)
 
 
 # The model build() returned, before any byte is counted: its dtype, its class (told by its
 # buffers, since the lecture's class has the same parameters), where its weights were made.
 BUILD_MISTAKES = (
-    _Mistake("cast to bf16",
+    Mistake("cast to bf16",
              lambda r: r.fit["dtypes"] != ["torch.float32"],
              lambda r: f"rank {r.rank}: the parameters are {', '.join(r.fit['dtypes'])}: casting the model to "
                        "bf16 (model.to(torch.bfloat16)) drops the fp32 master weights, and Adam's small "
                        "updates are rounded away. Keep fp32 parameters (bf16 compute would be "
                        "MixedPrecisionPolicy, but here the result must not change at all)."),
-    _Mistake("another class",
+    Mistake("another class",
              lambda r: r.report["buffers"].keys() != r.report["expected_buffers"].keys(),
              lambda r: f"rank {r.rank}: the model build() returned has the buffers "
                        f"{sorted(r.report['buffers']) or 'none'}, the unconstrained one "
                        f"{sorted(r.report['expected_buffers'])}: build the colleague's model (the class the "
                        "unconstrained run uses), not another one with the same parameters."),
-    _Mistake("created whole",
+    Mistake("created whole",
              lambda r: r.report["created_on"] != "meta",
              lambda r: f"rank {r.rank} created the whole model on {r.report['created_on']} (all "
                        f"{4 * r.model.psi:,} bytes of parameters, on every rank) before sharding it: for a "
@@ -125,17 +124,20 @@ BUILD_MISTAKES = (
                        "model.to_empty(device=...) allocates only this rank's shards."),
 )
 
-# Which fully_shard calls are missing, told by the bytes of fp32 parameters (4 each) a rank keeps,
-# and by those still gathered after the forward. In this order: each test assumes that the ones
-# before it were not seen (a rank that keeps the whole model also keeps more than 1/N of it).
+# Which fully_shard calls are missing or wrong, told by the bytes of fp32 parameters (4 each) a
+# rank keeps, and by those still gathered after the forward. In this order: each test assumes that
+# the ones before it were not seen (a rank that keeps the whole model also keeps more than 1/N of
+# it). The gathered bytes are the same whether the blocks are no FSDP units (the root's unit holds
+# them) or units that stay gathered (reshard_after_forward=False): the units the worker reports
+# tell which.
 SHARDING_MISTAKES = (
-    _Mistake("nothing sharded",
+    Mistake("nothing sharded",
              lambda r: r.parameters >= 4 * r.model.psi,
              lambda r: f"{r.holds}: the parameters take {r.parameters:,} bytes on every rank, the whole "
                        "model: nothing is sharded. Call fully_shard(block, mesh=mesh) on each block and then "
                        "fully_shard(model, mesh=mesh) on the root, so each rank keeps 1/N of the "
                        "parameters, gradients and Adam state."),
-    _Mistake("root not sharded",
+    Mistake("root not sharded",
              lambda r: r.parameters > 4 * r.model.psi / r.world + 4 * r.world,
              lambda r: f"{r.holds}: the parameters take {r.parameters:,} bytes, more than 1/{r.world} of the "
                        f"model ({4 * r.model.psi / r.world:,.0f}): the blocks are sharded but the root is not, "
@@ -143,61 +145,68 @@ SHARDING_MISTAKES = (
                        "each block, left as a root of its own, stays gathered after its forward). Call "
                        "fully_shard(model, mesh=mesh) after the blocks."),
     # the root unit's own parameters stay gathered after the forward; a block's must not
-    _Mistake("blocks not sharded",
-             lambda r: r.fit["gathered"] > 4 * r.model.root,
+    Mistake("blocks not sharded",
+             lambda r: r.fit["gathered"] > 4 * r.model.root and r.blocks_not_units,
              lambda r: f"rank {r.rank}: after the forward it still held {r.fit['gathered']:,} bytes of gathered "
-                       "parameters, more than the root module's: the blocks are not FSDP units of their own, "
-                       "so the whole model is one unit, gathered whole for the forward and the backward. Call "
-                       "fully_shard(block, mesh=mesh) on every block before fully_shard(model, mesh=mesh)."),
+                       f"parameters, more than the root module's: the blocks {r.blocks_not_units} are not FSDP "
+                       "units of their own, so they belong to the root's unit, gathered whole for the forward "
+                       "and the backward. Each block is a unit of its own, made before the root's (hint 1)."),
+    Mistake("blocks kept gathered",
+             lambda r: r.fit["gathered"] > 4 * r.model.root and r.blocks_kept_gathered,
+             lambda r: f"rank {r.rank}: after the forward it still held {r.fit['gathered']:,} bytes of gathered "
+                       f"parameters, more than the root module's: the blocks {r.blocks_kept_gathered} are FSDP "
+                       "units, but they keep their gathered parameters from their forward to their backward "
+                       "(reshard_after_forward=False, chapter 06), so at the end of the forward every rank "
+                       "holds them whole, as if they were not sharded. A block's unit should free them after "
+                       "its forward, as fully_shard does by default (hint 2)."),
 )
 
 # Why a rank holds more than the budget, told by what its forward saved for backward.
 OVER_BUDGET_CAUSES = (
-    _Mistake("no checkpointing",
+    Mistake("no checkpointing",
              lambda r: r.saved >= r.activations(),
              lambda r: f"the forward saved {r.saved:,} bytes for backward, as much as without any "
                        "checkpointing: checkpoint every block (checkpoint_blocks(model)), so each keeps "
                        "only its input and backward recomputes the rest."),
 )
 
-# Checkpointing the whole model in one call saves only the model's input, less than the blocks'
-# inputs that per-block checkpointing keeps, and less than any honest forward saves.
-WHOLE_MODEL_CHECKPOINTED = _Mistake(
+# Checkpointing the whole model in one call saves only the model's input and what the loss keeps,
+# less than per-block checkpointing saves on the batch the forward saw, in what it computed in (a
+# forward in bf16 saves less than one in fp32, a micro-batch less than the batch: neither is this).
+WHOLE_MODEL_CHECKPOINTED = Mistake(
     "whole model checkpointed",
-    lambda r: r.saved < r.activations(checkpoint=True) and not r.saved_like_some_forward(),
-    lambda r: f"rank {r.rank}: the forward saved only {r.saved:,} bytes for backward, less than the "
-              "blocks' inputs: the whole model is checkpointed in one call. Backward then recomputes "
-              "the whole forward at once and holds all of its activations again, so the peak does not "
-              "drop. Checkpoint each block (checkpoint_blocks(model)).")
+    lambda r: r.saved < r.least_saved_per_block(),
+    lambda r: f"rank {r.rank}: the forward saved only {r.saved:,} bytes for backward, less than "
+              f"checkpointing every block saves ({r.least_saved_per_block():,}): the whole model is "
+              "checkpointed in one call. Backward then recomputes the whole forward at once and holds all "
+              "of its activations again, so the peak does not drop. Checkpoint each block (hint 1).")
 
-# Why training ended elsewhere than the unconstrained run, told by the bytes its forward saved for
-# backward: a forward in bf16 saves what the cost model counts for bf16, a micro-batch what it
-# counts for a smaller batch.
+# Why training ended elsewhere than the unconstrained run, told by what the worker saw of the
+# forward: the dtypes its modules computed in, and how many sequences it saw. Not by the bytes it
+# saved: a bf16 forward saves about what an fp32 forward of half the batch saves.
 DRIFT_CAUSES = (
-    _Mistake("bf16 compute",
-             lambda r: r.saved in (r.activations(checkpoint=True, precision="bf16"),
-                                   r.activations(precision="bf16")),
-             lambda r: "the forward ran in bf16 (MixedPrecisionPolicy or autocast), which rounds every "
-                       "product to 8 bits of mantissa. Stay in fp32: sharding and checkpointing fit the "
-                       "budget without changing a single bit."),
-    _Mistake("accumulated micro-batches",
-             lambda r: any(r.saved in (r.activations(b), r.activations(b, checkpoint=True))
-                           for b in range(1, r.batch)),
-             lambda r: "the forward saw a smaller batch than the unconstrained run: accumulating "
-                       "micro-batches adds the gradients in another order, so the result differs by "
-                       "rounding (or by a factor if the loss is not divided by the number of "
-                       "micro-batches). Here keep the batch: sharding and checkpointing are enough."),
+    Mistake("bf16 compute",
+             lambda r: r.fit["computed_in"] != ["torch.float32"],
+             lambda r: f"the forward computed in {', '.join(r.fit['computed_in'])} (MixedPrecisionPolicy or "
+                       "autocast), and bf16 rounds every product to 8 bits of mantissa. Stay in fp32: "
+                       "sharding and checkpointing fit the budget without changing a single bit (hint 1)."),
+    Mistake("accumulated micro-batches",
+             lambda r: r.fit["forward_batch"] < r.batch,
+             lambda r: f"the forward saw {r.fit['forward_batch']} sequences, the unconstrained run's {r.batch}: "
+                       "accumulating micro-batches adds the gradients in another order, so the result differs "
+                       "by rounding (or by a factor if the loss is not divided by the number of "
+                       "micro-batches). Here keep the batch: sharding and checkpointing are enough (hint 1)."),
 )
 
 
 def _check_built(r: _Rank) -> None:
     """build() returned the colleague's model in fp32, created on the meta device."""
-    _name_the_first(BUILD_MISTAKES, r)
+    name_the_first(BUILD_MISTAKES, r)
 
 
 def _check_sharded(r: _Rank) -> None:
     """Every block and then the root are FSDP units: each rank keeps 1/N of the parameters."""
-    _name_the_first(SHARDING_MISTAKES, r)
+    name_the_first(SHARDING_MISTAKES, r)
 
 
 def _check_saved_for_backward(r: _Rank) -> None:
@@ -205,7 +214,7 @@ def _check_saved_for_backward(r: _Rank) -> None:
     if r.total > r.budget:
         otherwise = f"model states {r.fit['held']} and {r.saved:,} bytes saved for backward."
         raise CheckFailed(f"{r.holds}: {_first_cause(OVER_BUDGET_CAUSES, r, otherwise)}")
-    _name_the_first((WHOLE_MODEL_CHECKPOINTED,), r)
+    name_the_first((WHOLE_MODEL_CHECKPOINTED,), r)
 
 
 def _check_initialised(r: _Rank) -> None:
@@ -251,8 +260,10 @@ def check_fits_budget(results: dict, budget: float) -> None:
     ``results[rank]`` (``launch(...).reports``) holds "ddp" and "fit" (each: "held", the
     bytes by kind after the last step; "saved", the bytes saved by its forward; "params",
     the full parameters after training; "dtypes"; "gathered", the parameter bytes still
-    gathered after the forward, beyond the shards), "start" (the built model's full
-    parameters before training), "initial" (the weights it should start from),
+    gathered after the forward, beyond the shards; "computed_in", the dtypes of its modules'
+    outputs; "forward_batch", the sequences its last forward saw), "units" (the built
+    model's FSDP units by name: whether each reshards after its forward), "start" (the
+    built model's full parameters before training), "initial" (the weights it should start from),
     "created_on" (the device type its weights were created on: "meta" if it was never
     whole), "buffers" and "expected_buffers" (the built model's buffers and the unconstrained
     model's), "shape" (TinyTransformer's arguments), "batch" and "seq".

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from ._common import CheckFailed, all_close, close, passed
+from functools import cached_property
+
+
+from ._common import CheckFailed, Mistake, all_close, close, name_the_first, passed
 
 
 def _scale_between(actual: dict, expected: dict) -> float:
@@ -42,9 +45,122 @@ def check_gpipe_schedule(events: dict, microbatches: int) -> None:
            "activations and gradients exchanged")
 
 
+class _Gradients:
+    """The reported gradients against the reference's (all of them, or one stage's), read the
+    ways a known mistake shows in them."""
+
+    def __init__(self, grads: dict, reference: dict, m: int, rtol: float, atol: float,
+                 last_microbatch: dict | None = None, where: list | None = None):
+        self.grads, self.reference, self.m, self.rtol, self.atol = grads, reference, m, rtol, atol
+        self.last_microbatch, self.where = last_microbatch, where
+
+    @cached_property
+    def scale(self) -> float:
+        """The factor s that best explains grads = s * reference."""
+        return _scale_between(self.grads, self.reference)
+
+    def times(self, factor: float, expected: dict | None = None) -> bool:
+        """Whether the gradients are ``factor`` x ``expected`` (the reference unless told)."""
+        return all_close(self.grads, self.reference if expected is None else expected, factor, self.rtol, self.atol)
+
+    def scaled_by(self, factor: float, near: float) -> bool:
+        """Whether (with more than one micro-batch, where m and 1/m differ from 1) the gradients
+        are the reference's times one factor, and that factor is within ``near`` of ``factor``."""
+        return self.m > 1 and abs(self.scale - factor) < near and self.times(self.scale)
+
+
+# Mistakes that change the gradients of the whole model, told by how they relate to the
+# reference (a factor m or 1/m) or to the last micro-batch's own gradients.
+WHOLE_MODEL_MISTAKES = (
+    Mistake("only the last micro-batch",
+             lambda g: g.last_microbatch is not None
+             and any(g.times(factor, g.last_microbatch) for factor in (1.0 / g.m, 1.0)),
+             lambda g: "only the last micro-batch's gradient is left: gradients must accumulate over "
+                       "all micro-batches. Zero them once per step (before the first forward), never "
+                       "inside the micro-batch loop, and let every backward add to .grad."),
+    Mistake("losses not scaled by 1/m",
+             lambda g: g.scaled_by(g.m, 1e-3 * g.m),
+             lambda g: f"the gradients are {g.m} x too large: the micro-batch losses were not scaled by 1/m. "
+                       f"Each micro-batch's loss is a mean over its own samples; adding up the gradients of "
+                       f"{g.m} such means gives {g.m} times the gradient of the whole batch's mean. Divide each "
+                       f"micro-batch loss by m = {g.m} before its backward."),
+    Mistake("1/m applied twice",
+             lambda g: g.scaled_by(1 / g.m, 1e-3 / g.m),
+             lambda g: f"the gradients are {g.m} x too small: the 1/m scaling was applied twice (to the loss "
+                       f"and again to the gradients, or on both stages). Divide each micro-batch loss by m "
+                       f"once, on the last stage only: the earlier stage receives gradients already scaled."),
+)
+
+# Mistakes on the way back between the stages, told by the wrong stages' gradients alone (the
+# other stage's are right): a factor 1/m or m on them.
+STAGE_MISTAKES = (
+    Mistake("1/m applied again on the way back",
+             lambda g: g.scaled_by(1 / g.m, 1e-3 / g.m),
+             lambda g: f"stage {g.where}'s gradients are {g.m} x too small while the other stage is "
+                       "right: the 1/m was applied again on the way back. The gradient a stage receives "
+                       "is already scaled (the last stage divided its loss by m): use it as it is."),
+    Mistake("this stage's losses not scaled",
+             lambda g: g.scaled_by(g.m, 1e-3 * g.m),
+             lambda g: f"stage {g.where}'s gradients are {g.m} x too large while the other stage is "
+                       "right: the micro-batch losses were not scaled by 1/m where this stage's gradient "
+                       "comes from. Divide each micro-batch loss by m before its backward, and send back "
+                       "the gradient of that scaled loss."),
+)
+
+
+def _check_reached(grads: dict, reference: dict, stages: dict) -> None:
+    """Every parameter has a gradient that is not all zeros: the backward ran, and crossed the
+    stage boundary back to the first stage."""
+    import torch
+
+    missing = [k for k in reference if grads.get(k) is None]
+    zero = [k for k in reference if k not in missing and not torch.as_tensor(grads[k]).any()
+            and torch.as_tensor(reference[k]).any()]
+    if not (missing or zero):
+        return
+    names = missing + zero
+    where = sorted({stages[k] for k in names if k in stages})
+    if where and min(where) < max(stages.values(), default=0):
+        raise CheckFailed(
+            f"no gradient reached stage {where} (parameters {names}): the backward pass stops at "
+            "a stage boundary unless you carry it across. The receiving stage must call "
+            "requires_grad_() on the activation it received and send that activation's .grad "
+            "back; the sending stage must call output.backward(received_grad) on the output it "
+            "kept from the forward.")
+    raise CheckFailed(f"no gradient for {names}: did the stage run backward (loss.backward()) "
+                      "and report its parameters' .grad?")
+
+
+def _check_shapes(grads: dict, reference: dict) -> None:
+    """Each gradient has its parameter's shape."""
+    import torch
+
+    def shape(t) -> tuple:
+        return tuple(torch.as_tensor(t).shape)
+
+    shapes = [k for k in reference if shape(grads[k]) != shape(reference[k])]
+    if shapes:
+        raise CheckFailed(f"gradients of {shapes} have the wrong shape: report param.grad for each parameter")
+
+
+def _check_stages(g: _Gradients, wrong: list, stages: dict) -> None:
+    """Where some stages' gradients are right and others' wrong, the mistake is in what crossed
+    the boundary: a 1/m applied again or not at all (told by the wrong stages' gradients alone),
+    else a received gradient that met another micro-batch's output."""
+    wrong_stages = sorted({stages[k] for k in wrong if k in stages})
+    if not (stages and wrong_stages and len(wrong_stages) < len(set(stages.values()))):
+        return
+    part = {k: g.reference[k] for k in g.reference if stages.get(k) in wrong_stages}
+    name_the_first(STAGE_MISTAKES, _Gradients(g.grads, part, g.m, g.rtol, g.atol, where=wrong_stages))
+    raise CheckFailed(
+        f"stage {wrong_stages} has wrong gradients ({wrong}) while the other stage is right: "
+        "each received gradient must meet the output of the same micro-batch. Keep the "
+        "forward outputs in a list and run backward in the order the gradients are sent.")
+
+
 def check_pipeline_gradients(grads: dict, reference: dict, microbatches: int, stages: dict | None = None,
-                       last_microbatch: dict | None = None, rtol: float = 1e-4, atol: float = 1e-6,
-                       events: dict | None = None) -> None:
+                             last_microbatch: dict | None = None, rtol: float = 1e-4, atol: float = 1e-6,
+                             events: dict | None = None) -> None:
     """Check the gradients of a hand-written GPipe step against the single-process model.
 
     grads: parameter name -> gradient after the pipelined step (all stages merged).
@@ -56,74 +172,19 @@ def check_pipeline_gradients(grads: dict, reference: dict, microbatches: int, st
     events: rank -> what the rank did, in order (see :func:`check_gpipe_schedule`), checked
         first: right gradients from a wrong schedule, or from no pipeline at all, do not pass.
     """
-    import torch
-
     if events is not None:
         check_gpipe_schedule(events, microbatches)
-
-    m = microbatches
     stages = stages or {}
-    missing = [k for k in reference if grads.get(k) is None]
-    zero = [k for k in reference if k not in missing and not torch.as_tensor(grads[k]).any()
-            and torch.as_tensor(reference[k]).any()]
-    if missing or zero:
-        names = missing + zero
-        where = sorted({stages[k] for k in names if k in stages})
-        if where and min(where) < max(stages.values(), default=0):
-            raise CheckFailed(
-                f"no gradient reached stage {where} (parameters {names}): the backward pass stops at "
-                "a stage boundary unless you carry it across. The receiving stage must call "
-                "requires_grad_() on the activation it received and send that activation's .grad "
-                "back; the sending stage must call output.backward(received_grad) on the output it "
-                "kept from the forward.")
-        raise CheckFailed(f"no gradient for {names}: did the stage run backward (loss.backward()) "
-                          "and report its parameters' .grad?")
-    shapes = [k for k in reference if tuple(torch.as_tensor(grads[k]).shape) != tuple(torch.as_tensor(reference[k]).shape)]
-    if shapes:
-        raise CheckFailed(f"gradients of {shapes} have the wrong shape: report param.grad for each parameter")
-    if all_close(grads, reference, 1.0, rtol, atol):
-        passed(f"GPipe gradients over {m} micro-batches equal the single-process gradients")
+    _check_reached(grads, reference, stages)
+    _check_shapes(grads, reference)
+    g = _Gradients(grads, reference, microbatches, rtol, atol, last_microbatch=last_microbatch)
+    if g.times(1.0):
+        passed(f"GPipe gradients over {microbatches} micro-batches equal the single-process gradients")
         return
-    if last_microbatch is not None:
-        for factor in (1.0 / m, 1.0):
-            if all_close(grads, last_microbatch, factor, rtol, atol):
-                raise CheckFailed(
-                    "only the last micro-batch's gradient is left: gradients must accumulate over "
-                    "all micro-batches. Zero them once per step (before the first forward), never "
-                    "inside the micro-batch loop, and let every backward add to .grad.")
-    scale = _scale_between(grads, reference)
-    if m > 1 and abs(scale - m) < 1e-3 * m and all_close(grads, reference, scale, rtol, atol):
-        raise CheckFailed(
-            f"the gradients are {m} x too large: the micro-batch losses were not scaled by 1/m. "
-            f"Each micro-batch's loss is a mean over its own samples; adding up the gradients of "
-            f"{m} such means gives {m} times the gradient of the whole batch's mean. Divide each "
-            f"micro-batch loss by m = {m} before its backward.")
-    if m > 1 and abs(scale - 1 / m) < 1e-3 / m and all_close(grads, reference, scale, rtol, atol):
-        raise CheckFailed(
-            f"the gradients are {m} x too small: the 1/m scaling was applied twice (to the loss "
-            f"and again to the gradients, or on both stages). Divide each micro-batch loss by m "
-            f"once, on the last stage only: the earlier stage receives gradients already scaled.")
+    name_the_first(WHOLE_MODEL_MISTAKES, g)
     wrong = [k for k in reference if not close(grads[k], reference[k], rtol, atol)]
-    wrong_stages = sorted({stages[k] for k in wrong if k in stages})
-    if stages and wrong_stages and len(wrong_stages) < len(set(stages.values())):
-        part = {k: reference[k] for k in reference if stages.get(k) in wrong_stages}
-        part_scale = _scale_between(grads, part)
-        if m > 1 and abs(part_scale - 1 / m) < 1e-3 / m and all_close(grads, part, part_scale, rtol, atol):
-            raise CheckFailed(
-                f"stage {wrong_stages}'s gradients are {m} x too small while the other stage is "
-                "right: the 1/m was applied again on the way back. The gradient a stage receives "
-                "is already scaled (the last stage divided its loss by m): use it as it is.")
-        if m > 1 and abs(part_scale - m) < 1e-3 * m and all_close(grads, part, part_scale, rtol, atol):
-            raise CheckFailed(
-                f"stage {wrong_stages}'s gradients are {m} x too large while the other stage is "
-                "right: the micro-batch losses were not scaled by 1/m where this stage's gradient "
-                "comes from. Divide each micro-batch loss by m before its backward, and send back "
-                "the gradient of that scaled loss.")
-        raise CheckFailed(
-            f"stage {wrong_stages} has wrong gradients ({wrong}) while the other stage is right: "
-            "each received gradient must meet the output of the same micro-batch. Keep the "
-            "forward outputs in a list and run backward in the order the gradients are sent.")
+    _check_stages(g, wrong, stages)
     raise CheckFailed(
         f"gradients of {wrong} differ from the single-process model's (best scale factor "
-        f"{scale:.4g}). Check that the micro-batches are the batch cut in order (x.chunk(m)), "
+        f"{g.scale:.4g}). Check that the micro-batches are the batch cut in order (x.chunk(m)), "
         "that the targets are cut the same way, and that every micro-batch runs forward and backward once.")

@@ -10,7 +10,9 @@ can be named.
 
 from __future__ import annotations
 
-from ._common import CheckFailed, passed
+
+
+from ._common import CheckFailed, Mistake, name_the_first, passed
 
 
 def _reference(data, order, config, threads, devices):
@@ -73,48 +75,59 @@ def _replay(data, order, config, devices):
     return [{k: v.cpu() for k, v in s.state_dict().items()} for s in stages], history
 
 
-def check_pipeline_training(launched: dict, data_file, functions: str = "pipeline_functions") -> None:
-    """Check what pipeline_epochs.py reported (``launch(...).reports``) for the module
-    ``functions`` against one process training the same stages on the same batches;
-    ``data_file`` is the data it trained on."""
-    import torch
+# Why a rank failed, told by its error: the functions left as stubs, or step() where eval() belongs.
+ERROR_MISTAKES = (
+    Mistake("stubs left", lambda error: "NotImplementedError" in error,
+             "some functions still raise NotImplementedError: fill them in."),
+    Mistake("step() under no_grad", lambda error: "no_grad" in error,
+             "evaluate() called schedule.step() under torch.no_grad(): step() runs the "
+             "backward too, and refuses. Use schedule.eval(...), with the same arguments: "
+             "forwards only."),
+)
 
+
+def _results(launched: dict, functions: str) -> tuple[dict, dict]:
+    """Ranks 0 and 1 (the two stages) both reported a run of ``functions``: theirs, in rank order."""
     ranks = sorted(launched)
     if ranks != [0, 1] or any(functions not in launched[r].get("runs", {}) for r in ranks):
         raise CheckFailed(f"expected a report on {functions!r} from ranks 0 and 1: did the script run to the end?")
-    results = {r: launched[r]["runs"][functions] for r in ranks}
-    first, last = results[0], results[1]
-    for r in ranks:
-        error = results[r]["error"]
+    return launched[0]["runs"][functions], launched[1]["runs"][functions]
+
+
+def _check_ran(results: tuple) -> None:
+    """Both stages ran the functions to the end without an error."""
+    for r, result in enumerate(results):
+        error = result["error"]
         if error is None:
             continue
-        if "NotImplementedError" in error:
-            raise CheckFailed("some functions still raise NotImplementedError: fill them in.")
-        if "no_grad" in error:
-            raise CheckFailed("evaluate() called schedule.step() under torch.no_grad(): step() runs the "
-                              "backward too, and refuses. Use schedule.eval(...), with the same arguments: "
-                              "forwards only.")
+        name_the_first(ERROR_MISTAKES, error)
         raise CheckFailed(f"rank {r} failed: {error}")
 
-    for name in ("train_order", "test_order"):
-        a, b = first[name], last[name]
-        if a != b:
-            kind = "training" if name == "train_order" else "test"
-            if not set(a) & set(b):
-                raise CheckFailed(f"the two stages read disjoint {kind} samples (rank 0 {len(set(a))}, rank 1 "
-                                  f"{len(set(b))}, none in common): a DistributedSampler splits the data "
-                                  "between data-parallel replicas. The stages of ONE pipeline process the "
-                                  "same batch: give both ranks the whole dataset.")
-            at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) if len(a) == len(b) else None
-            raise CheckFailed(f"the two stages walked through the {kind} data in different orders"
-                              + (f" (first difference at sample {at}: rank 0 read {a[at]}, rank 1 {b[at]})"
-                                 if at is not None else "") +
-                              ": rank 1 scored rank 0's images with the labels of other samples. Shuffle "
-                              "both loaders with the same generator seed on every rank (not the rank, "
-                              "not the global RNG after rank-dependent code).")
 
-    for r in ranks:
-        for phase, training in results[r]["modes"]:
+def _check_same_samples(a: list, b: list, kind: str) -> None:
+    """Both stages read the same samples in the same order: the stages of one pipeline process
+    one batch, rank 0's images and rank 1's labels of the same samples."""
+    if a == b:
+        return
+    if not set(a) & set(b):
+        raise CheckFailed(f"the two stages read disjoint {kind} samples (rank 0 {len(set(a))}, rank 1 "
+                          f"{len(set(b))}, none in common): a DistributedSampler splits the data "
+                          "between data-parallel replicas. The stages of ONE pipeline process the "
+                          "same batch: give both ranks the whole dataset.")
+    at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) if len(a) == len(b) else None
+    raise CheckFailed(f"the two stages walked through the {kind} data in different orders"
+                      + (f" (first difference at sample {at}: rank 0 read {a[at]}, rank 1 {b[at]})"
+                         if at is not None else "") +
+                      ": rank 1 scored rank 0's images with the labels of other samples. Shuffle "
+                      "both loaders with the same generator seed on every rank (not the rank, "
+                      "not the global RNG after rank-dependent code).")
+
+
+def _check_modes(results: tuple) -> None:
+    """Each stage module was in training mode at every training forward, in eval mode at every
+    evaluation forward."""
+    for r, result in enumerate(results):
+        for phase, training in result["modes"]:
             if phase.startswith("training") and not training:
                 raise CheckFailed(f"rank {r}'s stage module was in eval mode during {phase}: evaluate() "
                                   "switched it with module.eval() and train_epoch() never switched it back. "
@@ -125,48 +138,107 @@ def check_pipeline_training(launched: dict, data_file, functions: str = "pipelin
                                   "module.eval() (the module you gave the PipelineStage, its submod) before "
                                   "evaluating, or dropout stays on.")
 
-    config = first["config"]
+
+def _check_weights(launched: dict, results: tuple, data_file) -> list:
+    """After training, each stage's weights equal, bit for bit, those of one process training
+    the same stages on the same batches. Returns that process's evaluation history."""
+    import torch
+
+    config = results[0]["config"]
     data = torch.load(data_file)
     # "cpu" for a worker that did not say: it ran before reports carried the device
-    devices = [launched[r].get("device", "cpu") for r in ranks]
-    states, history = _reference(data, first["train_order"], config, launched[0]["threads"], devices)
-    for r in ranks:
+    devices = [launched[r].get("device", "cpu") for r in (0, 1)]
+    states, history = _reference(data, results[0]["train_order"], config, launched[0]["threads"], devices)
+    for r, result in enumerate(results):
         for key, want in states[r].items():
-            if not torch.equal(results[r]["state"][key], want):
-                gap = (results[r]["state"][key] - want).abs().max().item()
+            if not torch.equal(result["state"][key], want):
+                gap = (result["state"][key] - want).abs().max().item()
                 raise CheckFailed(f"after training, stage {r}'s {key} differs from one process trained on the "
                                   f"same batches (largest difference {gap:.3g}). Per batch: "
                                   "optimizer.zero_grad(), one schedule.step(...) (input on the first stage, "
                                   "target on the last), optimizer.step().")
+    return history
 
-    got = last["history"]
+
+def _test_loss(want: dict) -> float:
+    """The mean loss per test sample: each micro-batch's mean loss weighted by its size."""
+    count = sum(sum(s) for s in want["sizes"])
+    return sum(l * s for ls, ss in zip(want["losses"], want["sizes"]) for l, s in zip(ls, ss)) / count
+
+
+def _first_microbatch_loss(want: dict) -> float:
+    """The first micro-batch's mean loss of each batch, counted for the whole batch."""
+    count = sum(sum(s) for s in want["sizes"])
+    return sum(ls[0] * sum(ss) for ls, ss in zip(want["losses"], want["sizes"])) / count
+
+
+def _unweighted_loss(want: dict) -> float:
+    """The micro-batches' mean losses added up, and divided by the number of samples."""
+    count = sum(sum(s) for s in want["sizes"])
+    return sum(sum(ls) for ls in want["losses"]) / count
+
+
+def _agrees(loss: float, mean: float) -> bool:
+    """Whether a reported test loss is ``mean``, up to the rounding of float32 losses."""
+    # the micro-batch losses are float32 (relative rounding 2**-24); summed in any order
+    # and any precision they stay within 1e-6 of the reference, and every mistake named
+    # below moves the mean by 1e-3 or more.
+    return abs(loss - mean) <= 1e-6 * abs(mean)
+
+
+# Which wrong mean the reported test loss is, told by recomputing that mean from the
+# replay's micro-batch losses.
+LOSS_MISTAKES = (
+    Mistake("first micro-batch only", lambda loss, want: _agrees(loss, _first_microbatch_loss(want)),
+             "that is the first micro-batch's loss of each batch counted for the "
+             "whole batch. eval() fills `losses` with one loss per micro-batch: use all "
+             "of them."),
+    Mistake("unweighted mean", lambda loss, want: _agrees(loss, _unweighted_loss(want)),
+             "you added the micro-batch losses, each a MEAN over its own samples, "
+             "and divided by the number of samples: weight each by its micro-batch's "
+             "size."),
+)
+
+
+def _check_test_loss(epoch: int, loss: float, want: dict) -> None:
+    """The test loss after ``epoch`` is the mean loss per test sample."""
+    right = _test_loss(want)
+    if not abs(loss - right) <= 1e-6 * abs(right):  # beyond float32 rounding (see _agrees), or NaN
+        where = f"after epoch {epoch}: test loss {loss:.6g}, expected {right:.6g}: "
+        name_the_first(LOSS_MISTAKES, loss, want, before=where)
+        raise CheckFailed(where + "weight each micro-batch's mean loss by its samples, sum over the test "
+                          "set, divide by the number of test samples.")
+
+
+def _check_evaluation(got: list, history: list, config: dict) -> None:
+    """After each epoch, the last stage's evaluate() returned the mean test loss per sample and
+    the accuracy over the whole test set."""
     if len(got) != config["epochs"] or any(h is None for h in got):
         raise CheckFailed(f"evaluate() returned {got!r} on the last stage after each epoch: return "
                           "(mean loss per sample, accuracy).")
     for epoch, ((loss, accuracy), want) in enumerate(zip(got, history), start=1):
-        count = sum(sum(s) for s in want["sizes"])
-        right = sum(l * s for ls, ss in zip(want["losses"], want["sizes"]) for l, s in zip(ls, ss)) / count
-        # the micro-batch losses are float32 (relative rounding 2**-24); summed in any order
-        # and any precision they stay within 1e-6 of the reference, and every mistake named
-        # below moves the mean by 1e-3 or more.
-        if abs(loss - right) > 1e-6 * abs(right):
-            where = f"after epoch {epoch}: test loss {loss:.6g}, expected {right:.6g}: "
-            one = sum(ls[0] * sum(ss) for ls, ss in zip(want["losses"], want["sizes"])) / count
-            unweighted = sum(sum(ls) for ls in want["losses"]) / count
-            if abs(loss - one) <= 1e-6 * abs(one):
-                raise CheckFailed(where + "that is the first micro-batch's loss of each batch counted for the "
-                                  "whole batch. eval() fills `losses` with one loss per micro-batch: use all "
-                                  "of them.")
-            if abs(loss - unweighted) <= 1e-6 * abs(unweighted):
-                raise CheckFailed(where + "you added the micro-batch losses, each a MEAN over its own samples, "
-                                  "and divided by the number of samples: weight each by its micro-batch's "
-                                  "size.")
-            raise CheckFailed(where + "weight each micro-batch's mean loss by its samples, sum over the test "
-                              "set, divide by the number of test samples.")
-        if abs(accuracy - want["accuracy"]) > 1e-12:
+        _check_test_loss(epoch, loss, want)
+        # a count of right answers over the test set's size: any honest way of computing it
+        # agrees to a rounding (1e-16), and one answer more or less moves it by 1/len(test)
+        if not abs(accuracy - want["accuracy"]) <= 1e-12:  # or NaN
             raise CheckFailed(f"after epoch {epoch}: accuracy {accuracy}, expected {want['accuracy']}: the "
                               "last stage's eval() returns the whole batch's output; compare its argmax "
                               "with the labels, over all the test set.")
-    passed(f"{config['epochs']} pipelined epochs: both stages read the same batches, the weights equal one "
-           f"process's exactly, and the evaluation (test loss {got[-1][0]:.4f}, accuracy {got[-1][1]:.3f}) "
+
+
+def check_pipeline_training(launched: dict, data_file, functions: str = "pipeline_functions") -> None:
+    """Check what pipeline_epochs.py reported (``launch(...).reports``) for the module
+    ``functions`` against one process training the same stages on the same batches;
+    ``data_file`` is the data it trained on."""
+    results = _results(launched, functions)
+    first, last = results
+    _check_ran(results)
+    _check_same_samples(first["train_order"], last["train_order"], "training")
+    _check_same_samples(first["test_order"], last["test_order"], "test")
+    _check_modes(results)
+    history = _check_weights(launched, results, data_file)
+    got = last["history"]
+    _check_evaluation(got, history, first["config"])
+    passed(f"{first['config']['epochs']} pipelined epochs: both stages read the same batches, the weights equal "
+           f"one process's exactly, and the evaluation (test loss {got[-1][0]:.4f}, accuracy {got[-1][1]:.3f}) "
            "is right")

@@ -13,7 +13,9 @@ on the real traces or dumps of the notebook's own run.
 
 from __future__ import annotations
 
-from ._common import CheckFailed, borrowed_names, passed
+from typing import NamedTuple
+
+from ._common import CheckFailed, Mistake, borrowed_names, name_the_first, passed
 
 ARRIVAL = "c10d::allreduce_"  # the call on the rank's own thread: the moment it hands over its tensor
 # Lateness is a difference of two clock readings near 1.8e15 us, where a float64 is exact to
@@ -121,6 +123,94 @@ def _refuse_borrowed(answer, name: str) -> None:
                           "reference, which is what it compares your answer with.")
 
 
+class _Reading(NamedTuple):
+    """A wrong reading of the traces: its name, the options of ``_lateness`` that compute it (its
+    answer on the check's traces is the test), and what the learner is told."""
+    name: str
+    options: dict
+    hint: str
+
+
+# Each gives an answer of its own on the check's 4-rank traces, so the first that matches names it.
+WRONG_READINGS = (
+    _Reading("waits instead of lateness", dict(behind=False),
+             "that is how long each rank WAITED for the last one (last arrival - its arrival), so the "
+             "rank that waits most comes out on top: a victim. Lateness counts from the FIRST arrival: "
+             "its arrival - the earliest arrival at the same collective"),
+    _Reading("no common clock", dict(clock=False),
+             "you compared ts values of different traces: each counts from its own trace's "
+             "baseTimeNanoseconds (ranks on different nodes have different bases). Put every event on "
+             "one clock first: baseTimeNanoseconds / 1000 + ts"),
+    _Reading("gloo thread starts", dict(name="gloo:"),
+             "you timed the gloo:all_reduce events: they start when one of gloo's threads picks the "
+             f"work up, which can be long after the call. A rank arrives when it calls: {ARRIVAL}, on "
+             "its own thread"),
+    _Reading("gloo thread ends", dict(end=True, name="gloo:"),
+             "you used when the gloo:all_reduce events END: a collective ends at about the same moment "
+             "on every rank (nobody finishes before the last one arrives), so nobody looks late. Use "
+             f"when each rank ARRIVES: the start of its {ARRIVAL} call"),
+    _Reading("call ends", dict(end=True),
+             f"you used when the {ARRIVAL} calls END. DDP's call returns once gloo has the tensor, "
+             "a plain dist.all_reduce only when the sum is back: neither is the arrival. Use the START "
+             "of the call"),
+    _Reading("forward starts", dict(name="forward"),
+             "you compared when the ranks START their steps (the forward range): they start "
+             "almost together, because a rank that waited in the last step's all-reduce starts "
+             "the next step as soon as it ends. A slow rank shows where the ranks meet: at the "
+             f"collectives ({ARRIVAL})"),
+    _Reading("total, not mean", dict(mean=False),
+             "that is each rank's lateness added up over all the collectives; give the mean per collective"),
+    _Reading("microseconds", dict(per_ms=1.0),
+             "those are microseconds (trace times are in us); give milliseconds"),
+)
+
+
+def _name_wrong_reading(got: dict, small: dict) -> None:
+    """An answer that is one of the known wrong readings of the check's traces is told which."""
+    for reading in WRONG_READINGS:
+        if _same(got, _lateness(small, **reading.options), rank=False):
+            raise CheckFailed(f"on the check's 4-rank traces you found rank {got['rank']} "
+                              f"({_table(got['late_ms'])} ms): {reading.hint}.")
+
+
+def _name_longest_communicator(got: dict, small: dict) -> None:
+    """The rank that spent the longest in gloo's all-reduce is a victim, not the straggler."""
+    comm = {rank: _communication_ms(trace) for rank, trace in small.items()}
+    if got["rank"] == max(comm, key=comm.get):
+        raise CheckFailed(
+            f"on the check's 4-rank traces you named rank {got['rank']}, the rank that spent the longest in "
+            f"gloo:all_reduce ({_table(comm)} ms). That rank is a victim: an all-reduce lasts until the last "
+            "rank arrives, so the ranks that are early 'communicate' longest, and the straggler least. "
+            f"Compare when each rank arrives at each collective ({ARRIVAL}).")
+
+
+def _check_small_traces(find_straggler) -> None:
+    """Right on the check's own four ranks, where every wrong reading it knows gives an answer
+    of its own (so the message can name it)."""
+    small = synthetic_traces()
+    got, expected = _straggler_answer(find_straggler(small), small), _lateness(small)
+    if _same(got, expected):
+        return
+    _name_wrong_reading(got, small)
+    _name_longest_communicator(got, small)
+    raise CheckFailed(f"on the check's 4-rank traces you found rank {got['rank']} ({_table(got['late_ms'])} ms); "
+                      f"expected rank {expected['rank']} ({_table(expected['late_ms'])} ms): for the k-th "
+                      f"{ARRIVAL} of every rank (the same collective), each rank's start minus the earliest "
+                      "start, on one clock, averaged over the collectives")
+
+
+def _check_real_traces(find_straggler, traces: dict) -> dict:
+    """Right on the notebook's real traces too (an answer that fits only the check's fails);
+    returns the reference's answer."""
+    got, expected = _straggler_answer(find_straggler(traces), traces), _lateness(traces)
+    if not _same(got, expected):
+        raise CheckFailed(f"on your job's traces you found rank {got['rank']} ({_table(got['late_ms'])} ms), "
+                          f"expected rank {expected['rank']} ({_table(expected['late_ms'])} ms): right on the "
+                          "check's traces, wrong on real ones. Do you keep every complete event (ph == 'X') "
+                          f"named {ARRIVAL}, and pair each rank's k-th one with the others' k-th?")
+    return expected
+
+
 def check_straggler(find_straggler, traces: dict | None = None) -> None:
     """``find_straggler(traces)`` -> {"rank": r, "late_ms": {rank: ms}}, where ``traces[rank]``
     is one rank's Chrome trace (the JSON object, with ``traceEvents`` and
@@ -130,64 +220,12 @@ def check_straggler(find_straggler, traces: dict | None = None) -> None:
     answer of its own, then on ``traces``, the notebook's real ones.
     """
     _refuse_borrowed(find_straggler, "find_straggler")
-    small = synthetic_traces()
-    got, expected = _straggler_answer(find_straggler(small), small), _lateness(small)
-    if not _same(got, expected):
-        wrong = {
-            "waits": (_lateness(small, behind=False),
-                      "that is how long each rank WAITED for the last one (last arrival - its arrival), so the "
-                      "rank that waits most comes out on top: a victim. Lateness counts from the FIRST arrival: "
-                      "its arrival - the earliest arrival at the same collective"),
-            "no clock": (_lateness(small, clock=False),
-                         "you compared ts values of different traces: each counts from its own trace's "
-                         "baseTimeNanoseconds (ranks on different nodes have different bases). Put every event on "
-                         "one clock first: baseTimeNanoseconds / 1000 + ts"),
-            "gloo starts": (_lateness(small, name="gloo:"),
-                            "you timed the gloo:all_reduce events: they start when one of gloo's threads picks the "
-                            f"work up, which can be long after the call. A rank arrives when it calls: {ARRIVAL}, on "
-                            "its own thread"),
-            "gloo ends": (_lateness(small, end=True, name="gloo:"),
-                          "you used when the gloo:all_reduce events END: a collective ends at about the same moment "
-                          "on every rank (nobody finishes before the last one arrives), so nobody looks late. Use "
-                          f"when each rank ARRIVES: the start of its {ARRIVAL} call"),
-            "call ends": (_lateness(small, end=True),
-                          f"you used when the {ARRIVAL} calls END. DDP's call returns once gloo has the tensor, "
-                          "a plain dist.all_reduce only when the sum is back: neither is the arrival. Use the START "
-                          "of the call"),
-            "forward starts": (_lateness(small, name="forward"),
-                               "you compared when the ranks START their steps (the forward range): they start "
-                               "almost together, because a rank that waited in the last step's all-reduce starts "
-                               "the next step as soon as it ends. A slow rank shows where the ranks meet: at the "
-                               f"collectives ({ARRIVAL})"),
-            "total": (_lateness(small, mean=False),
-                      "that is each rank's lateness added up over all the collectives; give the mean per collective"),
-            "microseconds": (_lateness(small, per_ms=1.0),
-                             "those are microseconds (trace times are in us); give milliseconds"),
-        }
-        for answer, hint in wrong.values():
-            if _same(got, answer, rank=False):
-                raise CheckFailed(f"on the check's 4-rank traces you found rank {got['rank']} "
-                                  f"({_table(got['late_ms'])} ms): {hint}.")
-        comm = {rank: _communication_ms(trace) for rank, trace in small.items()}
-        if got["rank"] == max(comm, key=comm.get):
-            raise CheckFailed(
-                f"on the check's 4-rank traces you named rank {got['rank']}, the rank that spent the longest in "
-                f"gloo:all_reduce ({_table(comm)} ms). That rank is a victim: an all-reduce lasts until the last "
-                "rank arrives, so the ranks that are early 'communicate' longest, and the straggler least. "
-                f"Compare when each rank arrives at each collective ({ARRIVAL}).")
-        raise CheckFailed(f"on the check's 4-rank traces you found rank {got['rank']} ({_table(got['late_ms'])} ms); "
-                          f"expected rank {expected['rank']} ({_table(expected['late_ms'])} ms): for the k-th "
-                          f"{ARRIVAL} of every rank (the same collective), each rank's start minus the earliest "
-                          "start, on one clock, averaged over the collectives")
+    _check_small_traces(find_straggler)
+    found = ""
     if traces:
-        got, expected = _straggler_answer(find_straggler(traces), traces), _lateness(traces)
-        if not _same(got, expected):
-            raise CheckFailed(f"on your job's traces you found rank {got['rank']} ({_table(got['late_ms'])} ms), "
-                              f"expected rank {expected['rank']} ({_table(expected['late_ms'])} ms): right on the "
-                              "check's traces, wrong on real ones. Do you keep every complete event (ph == 'X') "
-                              f"named {ARRIVAL}, and pair each rank's k-th one with the others' k-th?")
-    found = f" and on your job's {len(traces)}: rank {expected['rank']}, " \
-            f"{expected['late_ms'][expected['rank']]:.1f} ms late on average" if traces else ""
+        expected = _check_real_traces(find_straggler, traces)
+        found = (f" and on your job's {len(traces)}: rank {expected['rank']}, "
+                 f"{expected['late_ms'][expected['rank']]:.1f} ms late on average")
     passed(f"straggler found on the check's 4 ranks{found}")
 
 
@@ -238,10 +276,113 @@ def synthetic_dumps(buffer_size: int | None = None) -> dict:
     return dumps
 
 
-def _answer(got) -> dict:
+def _diagnosis_of(diagnose, name: str, dumps: dict) -> dict:
+    """What ``diagnose`` says about ``dumps``, a dict with the four keys; an error it raises is
+    told its usual cause."""
+    try:
+        got = diagnose(dumps)
+    except CheckFailed:
+        raise
+    except Exception as error:
+        raise CheckFailed(
+            f"{name}: diagnose() raised {type(error).__name__}: {error}. A collective looked up by a "
+            "collective_seq_id that no rank recorded usually means the rank or the seq is wrong: the stuck "
+            "rank is the one whose last collective_seq_id is the lowest (not the one with the fewest entries, "
+            "so no counting entries: the recorder keeps only the newest TORCH_FR_BUFFER_SIZE), and the others "
+            "wait in the next one.") from error
     if not isinstance(got, dict) or not {"rank", "seq", "op", "stuck_in"} <= set(got):
         raise CheckFailed(f"diagnose() returned {got!r}: return a dict with keys 'rank', 'seq', 'op' and 'stuck_in'")
     return got
+
+
+class _Case:
+    """One set of dumps, named as the messages name it, with the learner's diagnosis of it
+    (``got``) and the reference's (``expected``)."""
+
+    def __init__(self, name: str, dumps: dict, got: dict):
+        self.name, self.dumps, self.got = name, dumps, got
+        self.expected = _diagnose(dumps)
+        self.culprit = self.expected["rank"]
+        self.last = {rank: _last_seq(d) for rank, d in dumps.items()}  # the last collective each entered
+        self.counts = {rank: len(d["fr"]["entries"]) for rank, d in dumps.items()}
+
+    def frames(self, rank) -> list[str]:
+        return _frames(self.dumps[rank]["stack"])
+
+
+# The known wrong readings of the dumps, each table tried in its order. Wrong ranks: where every
+# recorder holds as many entries (they wrapped), a reading that counts entries names a rank by
+# chance, so that is told first; a rank that entered later collectives than the culprit waits in one.
+RANK_MISTAKES = (
+    Mistake("counts entries",
+             lambda c: len(set(c.counts.values())) == 1,
+             lambda c: f"{c.name}: you named rank {c.got['rank']}, but every rank's flight recorder holds "
+                       f"{c.counts[c.culprit]} entries: it keeps only the newest TORCH_FR_BUFFER_SIZE, so counting "
+                       "entries (or reading positions in the list) says nothing. Compare collective_seq_id, the "
+                       "number of the collective within its process group."),
+    Mistake("names the victim",
+             lambda c: c.last.get(c.got["rank"], -1) > c.last[c.culprit],
+             lambda c: f"{c.name}: rank {c.got['rank']} entered collective {c.last[c.got['rank']]} and is waiting "
+                       "there; it is a victim, not the cause (its timeout error is only the echo). The rank that "
+                       "holds the job up is the one whose last collective_seq_id is the lowest: rank "
+                       f"{c.culprit} stopped at {c.last[c.culprit]}."),
+)
+
+SEQ_MISTAKES = (
+    Mistake("off by one",
+             lambda c: c.got["seq"] == c.last[c.culprit],
+             lambda c: f"{c.name}: collective {c.got['seq']} is the last one rank {c.culprit} entered, and it "
+                       f"completed on every rank. The others are waiting in the NEXT one, {c.expected['seq']}, "
+                       f"which rank {c.culprit} never reached."),
+    Mistake("newest collective",
+             lambda c: c.got["seq"] == max(c.last.values()),
+             lambda c: f"{c.name}: collective {c.got['seq']} is the newest one a waiting rank launched (DDP "
+                       "launches each bucket's all-reduce without waiting), not the first one that cannot "
+                       f"finish: that is {c.expected['seq']}, the first rank {c.culprit} never entered."),
+)
+
+STUCK_IN_MISTAKES = (
+    Mistake("outermost frame",
+             lambda c: c.got["stuck_in"] == c.frames(c.culprit)[-1],
+             lambda c: f"{c.name}: {c.got['stuck_in']!r} is the OUTERMOST frame of rank {c.culprit}'s stack. "
+                       "py-spy dump (and this dump) print the innermost call first: the first line "
+                       "under the thread's name is where it is stuck."),
+    Mistake("a waiting rank's stack",
+             lambda c: any(c.got["stuck_in"] in c.frames(r) for r in c.dumps if r != c.culprit),
+             lambda c: f"{c.name}: {c.got['stuck_in']!r} comes from a waiting rank's stack; read the stack "
+                       f"of the stuck rank {c.culprit}."),
+)
+
+
+def _check_rank(c: _Case) -> None:
+    """The rank named is the one holding the job up: its last collective_seq_id is the lowest."""
+    if c.got["rank"] != c.culprit:
+        name_the_first(RANK_MISTAKES, c)
+        raise CheckFailed(f"{c.name}: you named rank {c.got['rank']}; look for the rank whose last "
+                          "collective_seq_id is the lowest (the others entered collectives it never reached)")
+
+
+def _check_seq(c: _Case) -> None:
+    """The collective the others wait in is the first one the stuck rank never entered."""
+    if c.got["seq"] != c.expected["seq"]:
+        name_the_first(SEQ_MISTAKES, c)
+        raise CheckFailed(f"{c.name}: seq {c.got['seq']}, expected {c.expected['seq']}: one past the stuck "
+                          "rank's last collective_seq_id")
+
+
+def _check_op(c: _Case) -> None:
+    """The op is that collective's profiling_name, as the waiting ranks recorded it."""
+    if c.got["op"] != c.expected["op"]:
+        raise CheckFailed(f"{c.name}: op {c.got['op']!r}: give the profiling_name of collective "
+                          f"{c.expected['seq']} as the waiting ranks recorded it ({c.expected['op']!r})")
+
+
+def _check_stuck_in(c: _Case) -> None:
+    """Where the stuck rank is: the innermost frame of its own stack."""
+    if c.got["stuck_in"] != c.expected["stuck_in"]:
+        name_the_first(STUCK_IN_MISTAKES, c)
+        raise CheckFailed(f"{c.name}: stuck_in {c.got['stuck_in']!r}, expected {c.expected['stuck_in']!r}: the "
+                          f"function name on the first line under rank {c.culprit}'s thread name")
 
 
 def check_hang_diagnosis(diagnose, dumps: dict | None = None) -> None:
@@ -256,61 +397,11 @@ def check_hang_diagnosis(diagnose, dumps: dict | None = None) -> None:
     if dumps:
         cases.append(("your job's dumps", dumps))
     for name, case in cases:
-        try:
-            got = _answer(diagnose(case))
-        except CheckFailed:
-            raise
-        except Exception as error:
-            raise CheckFailed(
-                f"{name}: diagnose() raised {type(error).__name__}: {error}. A collective looked up by a "
-                "collective_seq_id that no rank recorded usually means the rank or the seq is wrong: the stuck "
-                "rank is the one whose last collective_seq_id is the lowest (not the one with the fewest entries, "
-                "so no counting entries: the recorder keeps only the newest TORCH_FR_BUFFER_SIZE), and the others "
-                "wait in the next one.") from error
-        expected = _diagnose(case)
-        last = {rank: _last_seq(d) for rank, d in case.items()}
-        culprit, counts = expected["rank"], {r: len(d["fr"]["entries"]) for r, d in case.items()}
-        if got["rank"] != culprit:
-            if len(set(counts.values())) == 1:
-                raise CheckFailed(
-                    f"{name}: you named rank {got['rank']}, but every rank's flight recorder holds "
-                    f"{counts[culprit]} entries: it keeps only the newest TORCH_FR_BUFFER_SIZE, so counting entries "
-                    "(or reading positions in the list) says nothing. Compare collective_seq_id, the number of "
-                    "the collective within its process group.")
-            if last.get(got["rank"], -1) > last[culprit]:
-                raise CheckFailed(
-                    f"{name}: rank {got['rank']} entered collective {last[got['rank']]} and is waiting there; it is a "
-                    "victim, not the cause (its timeout error is only the echo). The rank that holds the job up is "
-                    f"the one whose last collective_seq_id is the lowest: rank {culprit} stopped at {last[culprit]}.")
-            raise CheckFailed(f"{name}: you named rank {got['rank']}; look for the rank whose last collective_seq_id "
-                              "is the lowest (the others entered collectives it never reached)")
-        if got["seq"] != expected["seq"]:
-            if got["seq"] == last[culprit]:
-                raise CheckFailed(
-                    f"{name}: collective {got['seq']} is the last one rank {culprit} entered, and it completed on "
-                    f"every rank. The others are waiting in the NEXT one, {expected['seq']}, which rank {culprit} "
-                    "never reached.")
-            if got["seq"] == max(last.values()):
-                raise CheckFailed(
-                    f"{name}: collective {got['seq']} is the newest one a waiting rank launched (DDP launches each "
-                    f"bucket's all-reduce without waiting), not the first one that cannot finish: that is "
-                    f"{expected['seq']}, the first rank {culprit} never entered.")
-            raise CheckFailed(f"{name}: seq {got['seq']}, expected {expected['seq']}: one past the stuck rank's last "
-                              "collective_seq_id")
-        if got["op"] != expected["op"]:
-            raise CheckFailed(f"{name}: op {got['op']!r}: give the profiling_name of collective {expected['seq']} "
-                              f"as the waiting ranks recorded it ({expected['op']!r})")
-        if got["stuck_in"] != expected["stuck_in"]:
-            frames = _frames(case[culprit]["stack"])
-            if got["stuck_in"] == frames[-1]:
-                raise CheckFailed(f"{name}: {got['stuck_in']!r} is the OUTERMOST frame of rank {culprit}'s stack. "
-                                  "py-spy dump (and this dump) print the innermost call first: the first line "
-                                  "under the thread's name is where it is stuck.")
-            if any(got["stuck_in"] in _frames(d["stack"]) for r, d in case.items() if r != culprit):
-                raise CheckFailed(f"{name}: {got['stuck_in']!r} comes from a waiting rank's stack; read the stack "
-                                  f"of the stuck rank {culprit}.")
-            raise CheckFailed(f"{name}: stuck_in {got['stuck_in']!r}, expected {expected['stuck_in']!r}: the "
-                              f"function name on the first line under rank {culprit}'s thread name")
+        c = _Case(name, case, _diagnosis_of(diagnose, name, case))
+        _check_rank(c)
+        _check_seq(c)
+        _check_op(c)
+        _check_stuck_in(c)
     answer = _diagnose(dumps) if dumps else _diagnose(cases[0][1])
     passed(f"diagnosis right on {len(cases)} sets of dumps (yours: rank {answer['rank']} stuck in "
            f"{answer['stuck_in']}, the others wait in collective {answer['seq']}, {answer['op']})")

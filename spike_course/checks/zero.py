@@ -8,6 +8,93 @@ from pathlib import Path
 
 from ._common import CheckFailed, close, first_failure, launch_reports, passed
 
+# --- exercise 1: ZeRO stage 1 by hand ---
+
+NOT_GATHERED = ("the updated parameters were not all-gathered after the step: every rank "
+                "must all_gather the updated slices and copy them into its full model "
+                "before the next forward.")
+
+
+class _Rank:
+    """One rank's results as the steps read them: its model's flat parameters (in float64, to
+    compare), its slice [start, end), and what its optimizer holds."""
+
+    def __init__(self, rank: int, report: dict, rtol: float, atol: float):
+        self.rank, self.report, self.rtol, self.atol = rank, report, rtol, atol
+        self.flat = report["zero1"].detach().double()
+        self.start, self.end = (int(i) for i in report["owned"])
+        self.initial, self.stepped = report.get("initial"), report.get("stepped")
+
+    def close(self, actual, expected) -> bool:
+        return close(actual, expected, self.rtol, self.atol)
+
+
+def _check_optimizer_sharded(results: dict, total: int) -> None:
+    """Each rank's optimizer keeps state for its slice only, not for the whole model."""
+    world = len(results)
+    for rank in sorted(results):
+        held = int(results[rank]["optimizer_numel"])
+        if world > 1 and held >= total:
+            raise CheckFailed(
+                f"rank {rank} keeps optimizer state for {held:,} elements, the whole model "
+                f"({total:,}): it steps the whole model, so the optimizer state is not sharded "
+                f"(that is plain DDP memory). Give the optimizer only this rank's slice "
+                f"flat[start:end] (about {total // world:,} elements) and step only that.")
+
+
+def _check_slices_tile(results: dict, total: int) -> None:
+    """The ranks' slices cover the flat parameters [0, total) once, without gaps or overlaps."""
+    spans = sorted(tuple(int(i) for i in results[rank]["owned"]) for rank in sorted(results))
+    position = 0
+    for start, end in spans:
+        if start != position or end < start:
+            raise CheckFailed(
+                f"the owned slices {spans} do not tile [0, {total:,}) without gaps or overlaps: "
+                "rank r should own [r * shard_size, min((r + 1) * shard_size, total)).")
+        position = end
+    if position < total:
+        raise CheckFailed(f"the owned slices {spans} stop at {position:,}, not at {total:,}: "
+                          "round the shard size up (ceil(total / world_size)).")
+    if position > total:  # the shard size rounded up, and the last slice not cut at the end
+        raise CheckFailed(f"the owned slices {spans} stop at {position:,}, past the end of the model's "
+                          f"{total:,} elements: the last slice must end where the flat parameters end (Hint 3).")
+
+
+def _check_updated(r: _Rank) -> None:
+    """Training changed the rank's model (when the report says where it started)."""
+    if r.initial is None or not r.close(r.flat, r.initial):
+        return
+    if r.stepped is not None and r.close(r.stepped, r.initial[r.start:r.end]):
+        raise CheckFailed(f"rank {r.rank}: the model's parameters never changed, and neither did the "
+                          "slice its optimizer holds: every step saw a zero gradient (zeroed "
+                          "before optimizer.step(), or never handed to the slice's .grad).")
+    raise CheckFailed(f"rank {r.rank}: the model's parameters never changed: the optimizer "
+                      f"stepped its own copy of the slice, but {NOT_GATHERED}")
+
+
+def _check_ranks_agree(ranks: list[_Rank]) -> None:
+    """Every rank ends with the same full model: the updated slices were gathered."""
+    first = ranks[0]
+    for r in ranks[1:]:
+        if not r.close(r.flat, first.flat):
+            differ = (r.flat - first.flat).abs().max().item()
+            raise CheckFailed(f"ranks {first.rank} and {r.rank} end with different parameters (max "
+                              f"difference {differ:.2e}): {NOT_GATHERED}")
+
+
+def _check_matches_ddp(r: _Rank) -> None:
+    """The rank's model is DDP's, trained on the same batches."""
+    ddp = r.report["ddp"].detach().double()
+    if r.close(r.flat, ddp):
+        return
+    error = (r.flat - ddp).abs().max().item()
+    if r.close(r.flat[r.start:r.end], ddp[r.start:r.end]):
+        raise CheckFailed(f"rank {r.rank}: its own slice [{r.start:,}, {r.end:,}) matches DDP but the rest of "
+                          f"its model does not (max error {error:.2e}): {NOT_GATHERED}")
+    raise CheckFailed(f"rank {r.rank}: the parameters differ from DDP (max error {error:.2e}). Average the "
+                      "gradients over ranks (all_reduce, then divide by the world size) before the step, "
+                      "and give the optimizer the gradient of its own slice.")
+
 
 def check_zero1(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     """Check a hand-written ZeRO stage 1 against DDP trained on the same batches.
@@ -19,70 +106,19 @@ def check_zero1(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     optionally "initial", the flat parameters before training, and "stepped", the values of
     the parameters the rank's optimizer holds after training (its slice).
     """
-    ranks = sorted(results)
-    if not ranks:
+    if not results:
         raise CheckFailed("no rank reported anything: did the worker call runtime.report(...)?")
-    total = results[ranks[0]]["ddp"].numel()
-    world = len(ranks)
-    not_gathered = ("the updated parameters were not all-gathered after the step: every rank "
-                    "must all_gather the updated slices and copy them into its full model "
-                    "before the next forward.")
-
-    for rank in ranks:
-        held = int(results[rank]["optimizer_numel"])
-        if world > 1 and held >= total:
-            raise CheckFailed(
-                f"rank {rank} keeps optimizer state for {held:,} elements, the whole model "
-                f"({total:,}): it steps the whole model, so the optimizer state is not sharded "
-                f"(that is plain DDP memory). Give the optimizer only this rank's slice "
-                f"flat[start:end] (about {total // world:,} elements) and step only that.")
-
-    spans = sorted(tuple(int(i) for i in results[rank]["owned"]) for rank in ranks)
-    position = 0
-    for start, end in spans:
-        if start != position or end < start:
-            raise CheckFailed(
-                f"the owned slices {spans} do not tile [0, {total:,}) without gaps or overlaps: "
-                "rank r should own [r * shard_size, min((r + 1) * shard_size, total)).")
-        position = end
-    if position != total:
-        raise CheckFailed(f"the owned slices {spans} stop at {position:,}, not at {total:,}: "
-                          "round the shard size up (ceil(total / world_size)).")
-
-    flat = {rank: results[rank]["zero1"].detach().double() for rank in ranks}
-    for rank in ranks:
-        initial = results[rank].get("initial")
-        if initial is not None and close(flat[rank], initial, rtol, atol):
-            start, end = (int(i) for i in results[rank]["owned"])
-            stepped = results[rank].get("stepped")
-            if stepped is not None and close(stepped, initial[start:end], rtol, atol):
-                raise CheckFailed(f"rank {rank}: the model's parameters never changed, and neither did the "
-                                  "slice its optimizer holds: every step saw a zero gradient (zeroed "
-                                  "before optimizer.step(), or never handed to the slice's .grad).")
-            raise CheckFailed(f"rank {rank}: the model's parameters never changed: the optimizer "
-                              f"stepped its own copy of the slice, but {not_gathered}")
-    for rank in ranks[1:]:
-        if not close(flat[rank], flat[ranks[0]], rtol, atol):
-            differ = (flat[rank] - flat[ranks[0]]).abs().max().item()
-            raise CheckFailed(f"ranks {ranks[0]} and {rank} end with different parameters (max "
-                              f"difference {differ:.2e}): {not_gathered}")
-
-    for rank in ranks:
-        zero1, ddp = flat[rank], results[rank]["ddp"].detach().double()
-        if close(zero1, ddp, rtol, atol):
-            continue
-        start, end = (int(i) for i in results[rank]["owned"])
-        error = (zero1 - ddp).abs().max().item()
-        if close(zero1[start:end], ddp[start:end], rtol, atol):
-            raise CheckFailed(
-                f"rank {rank}: its own slice [{start:,}, {end:,}) matches DDP but the rest of "
-                f"its model does not (max error {error:.2e}): {not_gathered}")
-        raise CheckFailed(
-            f"rank {rank}: the parameters differ from DDP (max error {error:.2e}). Average the "
-            "gradients over ranks (all_reduce, then divide by the world size) before the step, "
-            "and give the optimizer the gradient of its own slice.")
-    passed(f"ZeRO-1 by hand on {world} ranks matches DDP; each rank keeps optimizer state for "
-           f"{max(int(results[r]['optimizer_numel']) for r in ranks):,} of {total:,} elements")
+    total = results[min(results)]["ddp"].numel()
+    _check_optimizer_sharded(results, total)
+    _check_slices_tile(results, total)
+    ranks = [_Rank(rank, results[rank], rtol, atol) for rank in sorted(results)]
+    for r in ranks:
+        _check_updated(r)
+    _check_ranks_agree(ranks)
+    for r in ranks:
+        _check_matches_ddp(r)
+    passed(f"ZeRO-1 by hand on {len(ranks)} ranks matches DDP; each rank keeps optimizer state for "
+           f"{max(int(r.report['optimizer_numel']) for r in ranks):,} of {total:,} elements")
 
 
 # --- exercise 2: an FSDP2 checkpoint that outlives its job's shape ---
@@ -235,8 +271,6 @@ def _check_continued(resumed: dict, saved: dict, start: int) -> float:
     UPDATE_SHARE = 1e-3 of the update leaves room for terms that cancel up to a factor of 30.
     Each job also rounds every weight once per step: up to 2 S u |w| apart after S steps.
     """
-    import torch
-
     final, expected, at_save = resumed["final"]["params"], saved["final"]["params"], saved["saved"]["params"]
     steps = len(saved["trained"]) - start
     worst, where = 0.0, ""
