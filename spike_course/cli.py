@@ -265,6 +265,28 @@ def cmd_gpu_check(args) -> int:
     return 0 if all(row["ok"] for row in rows) else 1
 
 
+def cmd_rehearse(args) -> int:
+    from . import rehearsal
+
+    text = Path(args.job).read_text() if Path(args.job).is_file() else args.job
+    try:
+        readings = {flavour: rehearsal.read(text, flavour) for flavour in ("older", "newer")}
+    except ValueError as error:
+        print(f"cannot read the job: {error}", file=sys.stderr)
+        return 2
+    other = "newer" if args.flavour == "older" else "older"
+    print(f"-- under the {other} operator (read, not run)")
+    print(rehearsal.line_report(readings[other]))
+    print(f"-- under the {args.flavour} operator")
+    run = rehearsal.rehearse(text, volume=args.volume, flavour=args.flavour, preempt_at=args.preempt_at,
+                             timeout=args.timeout, gpus_per_pod=args.gpus_per_pod, keep=args.keep)
+    print(rehearsal.run_report(run))
+    if run.folder is not None:
+        print(f"kept: {run.folder} (each pod's output is <pod>.log there)")
+    names = rehearsal.mistakes(readings[other]) + rehearsal.mistakes(run)
+    return 1 if names else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="spike-course", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -304,6 +326,21 @@ def main(argv=None) -> int:
     gpu.add_argument("names", nargs="*", help="only notebooks whose path contains one of these")
     gpu.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     gpu.set_defaults(func=cmd_gpu_check)
+    rehearse = commands.add_parser(
+        "rehearse", help="run a runai line (or torchrun command) here as the cluster would")
+    rehearse.add_argument("job", help="the line, in quotes, or a file holding it")
+    rehearse.add_argument("--volume", help="a folder that stands for the job's persistent volume "
+                                           "(copied: the job never writes to it)")
+    rehearse.add_argument("--flavour", choices=("older", "newer"), default="older",
+                          help="which training-operator release runs it (the other is read too)")
+    rehearse.add_argument("--preempt-at", type=float, metavar="SECONDS",
+                          help="SIGTERM to every pod then, SIGKILL after the line's grace period")
+    rehearse.add_argument("--timeout", type=float, default=120.0, help="seconds before the job is killed")
+    rehearse.add_argument("--gpus-per-pod", type=float, metavar="N",
+                          help="ranks that --nproc-per-node=gpu starts per pod here (default: the GPUs "
+                               "the line asks for; fewer keeps a laptop responsive)")
+    rehearse.add_argument("--keep", action="store_true", help="keep the run's folder (logs, volume copy)")
+    rehearse.set_defaults(func=cmd_rehearse)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -22,26 +22,12 @@ from __future__ import annotations
 import re
 import shlex
 
+from .rehearsal import operator
 from .runtime import BACKENDS as PROCESS_GROUP_BACKENDS
 
-# What the Kubeflow training operator (1.7 and later) injects into each pod of a distributed
-# PyTorch job, and when. torchrun's options all fall back to PET_<OPTION>
-# (torch.distributed.argparse_util). Only with a master pod: MASTER_*, WORLD_SIZE, RANK,
-# PET_NPROC_PER_NODE, PET_NODE_RANK. Only with an elastic policy: PET_RDZV_*, PET_MAX_RESTARTS.
-OPERATOR_ENV = {
-    "MASTER_ADDR": "address of the master pod (<job>-master-0); only if the job has one",
-    "MASTER_PORT": "port on that pod; only with a master pod",
-    "WORLD_SIZE": "pods x processes per pod (nprocPerNode) since operator 1.7; pods alone before, "
-                  "or when nprocPerNode is 'auto'; only with a master pod",
-    "RANK": "index of this POD (master 0, workers 1..N), not of a process; only with a master pod",
-    "PET_NNODES": "torchrun --nnodes: the number of pods, or MIN:MAX for an elastic job",
-    "PET_NPROC_PER_NODE": "torchrun --nproc-per-node (processes per pod, one per GPU); with a master pod",
-    "PET_NODE_RANK": "torchrun --node-rank, the same index as RANK; with a master pod (operator >= 1.7)",
-    "PET_RDZV_BACKEND": "torchrun --rdzv-backend (c10d); elastic jobs only",
-    "PET_RDZV_ENDPOINT": "torchrun --rdzv-endpoint (<job>-worker-0:<port>); elastic jobs only",
-    "PET_RDZV_ID": "torchrun --rdzv-id (one id per job); elastic jobs only, if set in the policy",
-    "PET_MAX_RESTARTS": "torchrun --max-restarts; elastic jobs only",
-}
+# What the Kubeflow training operator injects into each pod, and when: one table, with its
+# source, in the rehearsal (which injects exactly that when it runs a line here).
+OPERATOR_ENV = {name: f"{value}; {when}" for name, (value, when, _) in operator.OPERATOR_ENV.items()}
 
 # flag -> (what it means, where it is in the Run:ai UI's "new training" form)
 FLAGS = {
@@ -65,6 +51,10 @@ FLAGS = {
                        "Distributed: elastic, minimum replicas"),
     "--max-replicas": ("elastic: most pods the job grows to", "Distributed: elastic, maximum replicas"),
     "-e": ("an environment variable set in the container", "Environment: environment variables"),
+    "--no-master": ("no master pod: the job runs exactly --workers pods (what an elastic job "
+                    "wants)", "Distributed: master and workers / workers only"),
+    "--preemptibility": ("preemptible: any higher-priority workload may stop it, in return it may "
+                         "run beyond the project's quota", "General: preemptibility"),
     "--termination-grace-period": ("seconds between SIGTERM and SIGKILL when a pod is stopped or "
                                    "preempted (the pods' terminationGracePeriodSeconds)",
                                    "Runtime settings: termination grace period"),
@@ -72,6 +62,7 @@ FLAGS = {
                   "Runtime settings: command and arguments"),
 }
 
+_SWITCHES = {"--no-master"}   # flags without a value
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _MEMORY = re.compile(r"^\d+(\.\d+)?([KMGT]i?)?$")
 
@@ -82,7 +73,8 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
                    pvc_path: str = "/data", cpu: float | None = None, memory: str | None = None,
                    cpu_limit: float | None = None, memory_limit: str | None = None,
                    user_group_source: str | None = "fromTheImage", backend: str | None = "nccl",
-                   env: dict | None = None, grace_period: int | None = None, extra=()) -> str:
+                   env: dict | None = None, grace_period: int | None = None,
+                   master: bool = True, preemptible: bool | None = None, extra=()) -> str:
     """The ``runai`` command line that submits this job, as one shell-quoted string.
 
     command: a string runs through ``bash -lc`` (so ``cd /data; python3 x.py`` works); a list
@@ -90,7 +82,7 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
     gpus: whole GPUs per pod (``--gpu-devices-request``), or a fraction below 1
         (``--gpu-request-type portion --gpu-portion-request``); 0 for a CPU-only pod.
     workers: makes it a distributed PyTorch job with that many worker pods (Run:ai adds a
-        master pod unless ``--no-master`` is passed in ``extra``); ``min_replicas`` and
+        master pod unless ``master=False``); ``min_replicas`` and
         ``max_replicas`` make it elastic (the job runs with anything between them).
     pvc: name of an existing claim, mounted at ``pvc_path``.
     cpu, memory: requests (``7``, ``"64G"``); the limits default to the same values, so
@@ -98,6 +90,11 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
     backend: what the script's process group uses, only to catch impossible jobs
         (NCCL needs a GPU per process); None when the job does no torch.distributed.
     env: environment variables for the container (``-e KEY=VALUE``).
+    master: with workers, whether Run:ai adds a master pod (``--workers N`` then runs N + 1
+        pods); False passes ``--no-master``, which an elastic job wants: every pod is a worker
+        and ``--max-replicas`` counts them all.
+    preemptible: ``--preemptibility preemptible`` (may be stopped for any higher-priority
+        workload, may run beyond quota) or ``non-preemptible``; None keeps the project's default.
     grace_period: whole seconds a pod gets between SIGTERM and SIGKILL when it is stopped or
         preempted (``--termination-grace-period``); None keeps the cluster's default (30 s in
         Kubernetes). Ask for one training step plus one checkpoint save, with a margin.
@@ -143,6 +140,12 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
         if low > high:
             raise ValueError(f"min_replicas={low} > max_replicas={high}: an elastic job runs with "
                              "between min and max pods, so min must not exceed max")
+        pods = workers + (1 if master else 0)
+        if elastic and pods > high:
+            raise ValueError(f"workers={workers} with a master pod runs {pods} pods, but an elastic "
+                             f"job admits at most max_replicas={high} nodes: the last pod would wait "
+                             "outside the job, holding its GPUs. Pass master=False (every pod a "
+                             "worker) or raise max_replicas")
         if not low <= workers <= high:
             raise ValueError(f"workers={workers} lies outside min_replicas..max_replicas = "
                              f"{low}..{high}: the job starts {workers} pods, so it must be allowed "
@@ -178,12 +181,16 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
         parts += ["--gpu-devices-request", str(int(gpus))]
     if workers is not None:
         parts += ["--workers", str(workers)]
+        if not master:
+            parts += ["--no-master"]
         if min_replicas is not None:
             parts += ["--min-replicas", str(min_replicas)]
         if max_replicas is not None:
             parts += ["--max-replicas", str(max_replicas)]
     for key, value in (env or {}).items():
         parts += ["-e", f"{key}={value}"]
+    if preemptible is not None:
+        parts += ["--preemptibility", "preemptible" if preemptible else "non-preemptible"]
     if grace_period is not None:
         parts += ["--termination-grace-period", f"{grace_period}s"]
     parts += [str(flag) for flag in extra]
@@ -193,11 +200,28 @@ def submit_command(name: str, image: str, project: str, command=None, gpus: floa
     return shlex.join(parts)
 
 
-def torchrun_command(script: str, *args, nproc_per_node: int | str = "gpu") -> str:
-    """The command a worker pod runs: torchrun takes nnodes, node rank and the rendezvous
-    from the ``PET_*`` variables the operator injects, so only the per-pod count is given."""
-    return shlex.join(["torchrun", f"--nproc-per-node={nproc_per_node}", script,
-                       *[str(a) for a in args]])
+def torchrun_command(script: str, *args, nproc_per_node: int | str = "gpu", master: bool = False,
+                     shutdown_timeout: int | None = None) -> str:
+    """The command a pod runs: ``exec torchrun ...``.
+
+    ``exec`` makes torchrun the container's first process, the one Kubernetes sends SIGTERM to
+    (a shell that only runs it would keep the signal). The operator's ``PET_*`` variables give
+    nnodes, the node rank and, for an elastic job, the rendezvous. master: a job of several
+    pods WITH a master pod: torchrun reads PET_MASTER_ADDR, which older operators do not
+    inject, never MASTER_ADDR, so the line passes MASTER_ADDR and MASTER_PORT itself (left for
+    the pod's shell to expand). shutdown_timeout: seconds torchrun's agent gives its ranks
+    after it forwards SIGTERM before it SIGKILLs them (30 unless set): give the pod's grace
+    period, or a final save longer than 30 s is killed whatever the grace period.
+    """
+    parts = ["exec", "torchrun", f"--nproc-per-node={nproc_per_node}"]
+    if shutdown_timeout is not None:
+        if not isinstance(shutdown_timeout, int) or isinstance(shutdown_timeout, bool) or shutdown_timeout < 1:
+            raise ValueError(f"shutdown_timeout={shutdown_timeout!r}: give whole seconds >= 1 (the "
+                             "pod's grace period)")
+        parts.append(f"--shutdown-timeout={shutdown_timeout}")
+    meet = ' --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT"' if master else ""
+    head, rest = shlex.join(parts), shlex.join([script, *[str(a) for a in args]])
+    return f"{head}{meet} {rest}"
 
 
 def describe(command_line: str) -> list[tuple[str, str, str, str]]:
@@ -211,6 +235,10 @@ def describe(command_line: str) -> list[tuple[str, str, str, str]]:
             rest = words[i + 2:] if i + 1 < len(words) and words[i + 1] == "--" else words[i + 1:]
             rows.append((word, shlex.join(rest), *FLAGS[word]))
             break
+        if word in _SWITCHES:
+            rows.append((word, "", *FLAGS[word]))
+            i += 1
+            continue
         if word in FLAGS:
             value = words[i + 1] if i + 1 < len(words) else ""
             rows.append((word, value, *FLAGS[word]))

@@ -187,7 +187,7 @@ def _killed_at_grace(run):
 
 def _final_save_lost(run):
     checkpoint = run.checkpoint
-    return checkpoint is None or checkpoint["written"] < run.sigterm_at
+    return checkpoint is None or checkpoint["written"] < run.sigterm_at or not checkpoint["loads"]
 
 
 def _rank_writes(run):
@@ -208,11 +208,6 @@ def _shared_files(run):
     for rank, path in _rank_writes(run):
         writers.setdefault(path, set()).add(rank)
     return {path: sorted(ranks) for path, ranks in writers.items() if len(ranks) > 1}
-
-
-def _shown(run, path):
-    volume = str(run.volume)
-    return path.replace(volume, run.reading.job.mount or "<volume>") if path.startswith(volume) else path
 
 
 RUN = [
@@ -251,7 +246,7 @@ RUN = [
                         "stop and save sooner, or ask for a longer grace period"),
     Mistake("final-save-lost",
             lambda run: _preempted(run) and _final_save_lost(run),
-            lambda run: "no checkpoint was completed after the SIGTERM"
+            lambda run: "no checkpoint that loads was completed after the SIGTERM"
                         + (f": the last is {run.checkpoint['path']} from {run.checkpoint['written']:.1f} s"
                            if run.checkpoint else ": the job left none")
                         + ", so the steps since then are lost"),
@@ -263,10 +258,10 @@ RUN = [
     Mistake("writes-outside-volume",
             lambda run: bool(_outside_volume(run)),
             lambda run: "written outside the volume, lost when the pod ends: "
-                        + ", ".join(_outside_volume(run)[:3])),
+                        + ", ".join(run.shown(path) for path in _outside_volume(run)[:3])),
     Mistake("same-file-many-ranks",
             lambda run: bool(_shared_files(run)),
-            lambda run: "; ".join(f"{_shown(run, path)} written by ranks {ranks}"
+            lambda run: "; ".join(f"{run.shown(path)} written by ranks {ranks}"
                                   for path, ranks in list(_shared_files(run).items())[:3])
                         + ": let one rank write a whole file (or use a distributed checkpoint)"),
 ]

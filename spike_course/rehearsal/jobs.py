@@ -73,7 +73,8 @@ def read_job(text: str, flavour: str = "older") -> Job:
     words = shlex.split(stripped.replace("\\\n", " "))
     if words[:2] == ["runai", "training"] or words[:1] == ["runai"] and "submit" in words:
         return _read_runai(words, flavour)
-    return Job("command", "command", [Pod("node-0", words, lambda hosts, port: {}, gpus=0)],
+    # as a learner types it in a terminal: a shell runs it
+    return Job("command", "command", [Pod("node-0", ["bash", "-lc", stripped], lambda hosts, port: {}, gpus=0)],
                grace=KUBERNETES_GRACE, notes=["a bare command: rehearsed as one node"])
 
 

@@ -38,10 +38,9 @@ with open(os.path.join(os.environ["SPIKE_REHEARSAL_RECORDS"], "launches.jsonl"),
 
 def make_tools(folder: Path, dry: bool) -> Path:
     """A bin folder with torchrun, python and python3 (each ``exec``s, so its pid is the
-    caller's), and a home whose .bash_profile puts that folder first on PATH."""
-    tools, home = folder / "bin", folder / "home"
+    caller's); returns the folder of the pods' homes (see :func:`home_of`)."""
+    tools = folder / "bin"
     tools.mkdir(parents=True, exist_ok=True)
-    home.mkdir(exist_ok=True)
     if dry:
         (folder / "dry_tool.py").write_text(_DRY_TOOL)
     environment_bin = Path(sys.executable).parent
@@ -53,7 +52,15 @@ def make_tools(folder: Path, dry: bool) -> Path:
             line = f'exec {shlex.quote(str(target))} "$@"'
         (tools / tool).write_text(f"#!/bin/sh\n{line}\n")
         (tools / tool).chmod(0o755)
-    (home / ".bash_profile").write_text(f'export PATH={shlex.quote(str(tools))}:"$PATH"\n')
+    return folder
+
+
+def home_of(tools_folder: Path, pod: str) -> Path:
+    """A pod's own home (as each container has its own), whose .bash_profile puts the tools
+    first on PATH."""
+    home = tools_folder / "homes" / pod
+    home.mkdir(parents=True, exist_ok=True)
+    (home / ".bash_profile").write_text(f'export PATH={shlex.quote(str(tools_folder / "bin"))}:"$PATH"\n')
     return home
 
 

@@ -76,14 +76,14 @@ def read(text: str, flavour: str = "older", gpus_per_pod: float | None = None) -
     hosts = {pod.name: pod.name for pod in job.pods}
     with tempfile.TemporaryDirectory(prefix="rehearsal-read-") as scratch:
         scratch = Path(scratch)
-        home, records = pods.make_tools(scratch, dry=True), scratch / "records"
+        tools, records = pods.make_tools(scratch, dry=True), scratch / "records"
         records.mkdir()
         shell_errors, main_pids = {}, {}
         volume = scratch / "volume"   # the mount exists, so that `cd /data && ...` goes on
         volume.mkdir()
         for pod in job.pods:
             command = [pods.on_this_machine(word, job.mount, volume) for word in pod.command]
-            env = pods.pod_environment(pod.env(hosts, operator.DEFAULT_PORT), home=home,
+            env = pods.pod_environment(pod.env(hosts, operator.DEFAULT_PORT), home=pods.home_of(tools, pod.name),
                                        records=records, pod=pod.name, gpus=pod.gpus)
             shell = subprocess.Popen(command, env=env, cwd=scratch, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -38,10 +38,11 @@ def run_report(run) -> str:
         out.append(f"not run: on the cluster these pods would never form one job ({', '.join(sorted(names))}), "
                    "and on this one machine they might. Fix the line first.")
         return "\n".join(out)
-    out.append(f"ran {run.ended - run.began:.1f} s" + (f"; SIGTERM at {run.sigterm_at:.1f} s" if run.sigterm_at is not None else "")
+    out.append(f"ran {run.ended - run.began:.1f} s" + (f"; every rank joined at {run.ranks_up:.1f} s" if run.ranks_up is not None else "")
+               + (f"; SIGTERM at {run.sigterm_at:.1f} s" if run.sigterm_at is not None else "")
                + (f"; SIGKILL at {run.killed_at:.1f} s" if run.killed_at is not None else ""))
     for process in run.ranks:
-        wrote = sorted({findings._shown(run, path) for _, path in process.writes
+        wrote = sorted({run.shown(path) for _, path in process.writes
                         if path.endswith(findings.RESULT_SUFFIXES)})
         fate = _fate(run, process)
         out.append(f"  rank {process.rank} of {process.environment.get('WORLD_SIZE')} in {process.pod}: "

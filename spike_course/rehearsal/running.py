@@ -59,6 +59,7 @@ class Run:
     volume: Path | None = None
     began: float = 0.0
     ended: float = 0.0
+    ranks_up: float | None = None         # every rank had joined its group, seconds after the start
     sigterm_at: float | None = None       # seconds after the start
     killed_at: float | None = None        # the kubelet's SIGKILL, seconds after the start
     timed_out: bool = False
@@ -67,6 +68,15 @@ class Run:
     processes: list[Process] = field(default_factory=list)
     checkpoint: dict | None = None
     gone: dict = field(default_factory=dict)   # pid -> when the rehearsal saw it gone
+
+    def shown(self, path: str) -> str:
+        """A path as the pod would name it: under the volume's mount, or under its home (~)."""
+        if self.volume is not None and path.startswith(str(self.volume)):
+            return (self.reading.job.mount or "<volume>") + path[len(str(self.volume)):]
+        homes = str(self.volume.parent / "homes") if self.volume is not None else None
+        if homes and path.startswith(homes + "/"):   # homes/<pod>/rest
+            return "~/" + path[len(homes) + 1:].split("/", 1)[-1]
+        return path
 
     @property
     def ranks(self) -> list[Process]:
@@ -81,8 +91,11 @@ def rehearse(text: str, *, volume: str | Path | None = None, flavour: str = "old
              gpus_per_pod: float | None = None, cwd: str | Path | None = None,
              keep: bool = False) -> Run:
     """Run the job ``text`` here. volume: the folder that stands for the job's persistent
-    volume (copied; the copy is the run's ``volume``). gpus_per_pod: how many ranks
-    ``--nproc-per-node=gpu`` starts (default: the GPUs the line asks for)."""
+    volume (copied; the copy is the run's ``volume``). preempt_at: seconds after every rank
+    has joined its process group (starting takes longer on a laptop than on a node) when each
+    pod gets SIGTERM.
+    gpus_per_pod: how many ranks ``--nproc-per-node=gpu`` starts (default: the GPUs the line
+    asks for)."""
     line = reading_.read(text, flavour, gpus_per_pod)
     from .findings import LINE, seen
     if CLUSTER_ONLY & {name for name, _ in seen(LINE, line)}:
@@ -100,7 +113,7 @@ def rehearse(text: str, *, volume: str | Path | None = None, flavour: str = "old
 
 def _run(run: Run, volume, preempt_at, timeout, cwd) -> None:
     job, folder = run.reading.job, run.folder
-    home, records = pods.make_tools(folder, dry=False), folder / "records"
+    tools, records = pods.make_tools(folder, dry=False), folder / "records"
     records.mkdir()
     run.volume = folder / "volume"
     if volume is not None:
@@ -115,7 +128,7 @@ def _run(run: Run, volume, preempt_at, timeout, cwd) -> None:
     for pod in job.pods:
         injected = {k: pods.on_this_machine(v, job.mount, run.volume)
                     for k, v in pod.env(hosts, port).items()}
-        env = pods.pod_environment(injected, home=home, records=records, pod=pod.name, gpus=pod.gpus)
+        env = pods.pod_environment(injected, home=pods.home_of(tools, pod.name), records=records, pod=pod.name, gpus=pod.gpus)
         command = [pods.on_this_machine(word, job.mount, run.volume) for word in pod.command]
         outputs[pod.name] = open(folder / f"{pod.name}.log", "wb")
         started[pod.name] = pods.start(command, env, workdir, outputs[pod.name])
@@ -139,12 +152,15 @@ def _watch(run, started, records, preempt_at, timeout) -> None:
     grace = run.reading.job.grace
     while True:
         now = time.time()
+        if run.ranks_up is None and _ranks_joined(records) >= run.reading.world_size:
+            run.ranks_up = now - run.began
         for pid in _alive_pids(started, records):
             seen.setdefault(pid, now)
         for pid in list(seen):
             if pid not in gone and not _alive(pid):
                 gone[pid] = now
-        if preempt_at is not None and run.sigterm_at is None and now - run.began >= preempt_at:
+        if preempt_at is not None and run.sigterm_at is None and run.ranks_up is not None \
+                and now - run.began >= run.ranks_up + preempt_at:
             run.sigterm_at = now - run.began
             for process in started.values():   # Kubernetes signals each container's first process
                 _signal(process.pid, signal.SIGTERM)
@@ -160,6 +176,11 @@ def _watch(run, started, records, preempt_at, timeout) -> None:
         time.sleep(POLL)
     run.ended = time.time()
     run.gone = gone
+
+
+def _ranks_joined(records: Path) -> int:
+    """Rank processes whose init_process_group has returned (the pods' sitecustomize says so)."""
+    return sum('"event": "joined"' in path.read_text(errors="replace") for path in records.glob("*.jsonl"))
 
 
 def _alive_pids(started, records) -> set[int]:

@@ -10,6 +10,8 @@ In the torchrun agent it also does what a GPU node would: ``--nproc-per-node=gpu
 Standard library only, and silent: a failure here must never change what the job does.
 """
 import atexit
+import functools
+import importlib.util
 import json
 import os
 import signal
@@ -101,6 +103,62 @@ def _signal(signum, handler, _original=_set_signal):
     return previous
 
 
+def _join_recorded(module):
+    """init_process_group that records when it returns: a preemption drill waits until every
+    rank has joined (a rank still importing torch dies of a SIGTERM before its handler exists)."""
+    init = module.init_process_group
+
+    @functools.wraps(init)
+    def init_process_group(*args, **kwargs):
+        result = init(*args, **kwargs)
+        _record("joined")
+        return result
+
+    module.init_process_group = init_process_group
+
+
+def _save_recorded(module):
+    """torch.save that records the file it writes (its C++ writer opens it unseen by the audit
+    hook): the checkpoints are what a preemption drill looks at."""
+    save = module.save
+
+    @functools.wraps(save)
+    def recorded_save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)):
+            _record("write", path=os.path.abspath(os.fsdecode(f)), source=None)
+        return save(obj, f, *args, **kwargs)
+
+    module.save = recorded_save
+
+
+class _AfterImport:
+    """Changes a torch module right after it runs, before anything imports names from it."""
+    changes = {"torch.distributed.distributed_c10d": _join_recorded,
+               "torch.serialization": _save_recorded}
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        change = cls.changes.pop(name, None)
+        if change is None:
+            return None
+        if not cls.changes:
+            sys.meta_path.remove(cls)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            try:
+                change(module)
+            except Exception:
+                pass
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 if _RECORDS:
     try:
         argv = list(getattr(sys, "orig_argv", sys.argv))
@@ -110,6 +168,8 @@ if _RECORDS:
                 env={k: v for k, v in os.environ.items() if k in _KEYS or k.startswith(("PET_", "SLURM_"))})
         if agent:
             _as_on_a_gpu_node()
+        else:
+            sys.meta_path.insert(0, _AfterImport)
         sys.addaudithook(_audit)
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _on_sigterm)
