@@ -180,6 +180,13 @@ def _killed_by_agent(run):
             and (run.killed_at is None or run.seconds(p.gone) < run.killed_at - 0.5)]
 
 
+def _agent_deadline(run):
+    runs = run.reading.torchruns
+    if not runs:
+        return "its shutdown timeout is shorter than the save"
+    return f"its shutdown timeout is {runs[0].shutdown_timeout} s ({runs[0].shutdown_from})"
+
+
 def _killed_at_grace(run):
     return [p for p in run.processes if p.exited is None and p.gone is not None and run.killed_at
             and run.seconds(p.gone) >= run.killed_at - 0.05 and not run.timed_out]
@@ -237,8 +244,8 @@ RUN = [
             lambda run: f"torchrun's agent SIGKILLed rank(s) {[p.rank for p in _killed_by_agent(run)]} "
                         f"{min(run.seconds(p.gone) for p in _killed_by_agent(run)) - run.sigterm_at:.0f} s "
                         f"after the SIGTERM, before the pod's {run.reading.job.grace:g} s grace period "
-                        "ended: its --shutdown-timeout (default 30 s) is shorter than the save. Pass "
-                        f"--shutdown-timeout={int(run.reading.job.grace)}"),
+                        f"ended: {_agent_deadline(run)}. Pass --shutdown-timeout={int(run.reading.job.grace)} "
+                        "to torchrun"),
     Mistake("killed-at-grace",
             lambda run: _preempted(run) and bool(_killed_at_grace(run)),
             lambda run: f"{len(_killed_at_grace(run))} process(es) still ran when the grace period "

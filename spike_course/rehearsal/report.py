@@ -11,18 +11,14 @@ def line_report(reading) -> str:
     job = reading.job
     out = [f"{job.kind}: {len(job.pods)} pod(s), grace period {job.grace:g} s, operator "
            f"flavour '{job.flavour}'" + (f", volume at {job.mount}" if job.mount else "")]
-    for launch in reading.launches:
-        if launch.tool == "torchrun" and not launch.error:
-            meets = "itself (standalone)" if launch.standalone else \
-                f"{launch.meeting[0]}:{launch.meeting[1]}" + (" (its own loopback)" if launch.own_loopback else "")
-            out.append(f"  {launch.pod}: torchrun {launch.script}, {launch.nproc} process(es), "
-                       f"nnodes {_nodes(launch.nnodes)}, node rank {launch.node_rank}, meets at "
-                       f"{meets}, shutdown timeout {launch.shutdown_timeout} s"
-                       + ("" if launch.execs else ", NOT exec'd"))
-        else:
-            out.append(f"  {launch.pod}: {launch.tool} {' '.join(launch.argv)[:70]}")
+    launches = reading.launches
+    shown = launches if len(launches) <= 4 else launches[:2] + launches[-1:]
+    for launch in shown:
+        if launch is launches[-1] and len(shown) < len(launches):
+            out.append(f"  ... {len(launches) - 3} more pods like these ...")
+        out.append(f"  {launch.pod}: " + _launched(launch))
     if reading.torchruns:
-        out.append(f"  world size: {reading.world_size} ranks")
+        out.append(f"  world size: {reading.world_size} rank(s)")
     out += _named(findings.seen(findings.LINE, reading), "mistake")
     out += _named(findings.seen(findings.ADVICE, reading), "advice")
     return "\n".join(out)
@@ -88,6 +84,17 @@ def _fate(run, process) -> str:
     if process.gone is not None:
         return f"killed at {run.seconds(process.gone):.1f} s"
     return "still running"
+
+
+def _launched(launch) -> str:
+    if launch.tool != "torchrun" or launch.error:
+        return f"{launch.tool} {' '.join(launch.argv)[:70]}"
+    meets = "itself (standalone)" if launch.standalone else \
+        f"{launch.meeting[0]}:{launch.meeting[1]}" + (" (its own loopback)" if launch.own_loopback else "")
+    rank = f", node rank {launch.node_rank}" if launch.backend == "static" and not launch.standalone else ""
+    return (f"torchrun {launch.script}, {launch.nproc} process(es), nnodes {_nodes(launch.nnodes)}{rank}, "
+            f"meets at {meets}, shutdown timeout {launch.shutdown_timeout} s"
+            + ("" if launch.execs else ", NOT exec'd"))
 
 
 def _nodes(nnodes) -> str:
