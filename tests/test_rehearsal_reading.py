@@ -89,6 +89,7 @@ def test_a_grace_period_longer_than_torchruns_shutdown_timeout():
     ("cd /nowhere && " + runai.torchrun_command("train.py", master=True), {}, "pod-launches-nothing"),
     ("exec torchrun --nnodes=two train.py", {}, "torchrun-refused"),
     (runai.torchrun_command("train.py", master=True), dict(gpus=0), "no-processes"),
+    (runai.torchrun_command("train.py", master=True), dict(extra=["--no-master"]), "no-master-address"),
 ])
 def test_each_mistake_of_a_line_is_named(command, options, mistake):
     assert mistake in names(line(command, **options)) + names(line(command, **options), "newer")

@@ -680,12 +680,14 @@ def check_capstone_submit(line: str, script: str = "train.py", nodes: int = 2,
     _pods_and_gpus(words, nodes, gpus_per_node)
     _pod_command(command, script, gpus_per_node)
     _image_resources_environment(words)
+    _rehearsed(line)
     if _value(words, "--existing-pvc") is None or "/data" not in command:
         raise CheckFailed("mount the team's volume (pvc=...) and keep the script and --checkpoint "
                           "on it (cd /data/...): a pod's own disk disappears with the pod, and with "
                           "it the checkpoint a restarted job needs.")
     passed(f"`runai training pytorch submit` with {nodes} pods of {gpus_per_node} GPUs, each "
-           f"running torchrun on {script} with the rendezvous from the PET_* variables")
+           f"running torchrun on {script}; rehearsed under both operator releases, the pods meet "
+           "and a SIGTERM reaches torchrun")
 
 
 def _value(words, flag):
@@ -717,17 +719,26 @@ def _pod_command(command, script, gpus_per_node):
         raise CheckFailed("--standalone makes every pod a job of its own (a private rendezvous on "
                           "localhost): leave it out, torchrun reads the shared rendezvous from the "
                           "PET_* variables the operator injects.")
-    if any(option in command for option in ("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint",
-                                             "--master-addr", "--master_addr", "--node-rank")):
-        raise CheckFailed("the command names nodes or the rendezvous itself: leave those to the "
-                          "operator's PET_* variables (runai.torchrun_command does), or a restarted "
-                          "or rescheduled pod meets at the wrong place.")
     per_node = [w for w in shlex.split(command) if w.startswith("--nproc-per-node")]
     if not per_node or per_node[0].split("=")[-1] not in (str(gpus_per_node), "gpu"):
         raise CheckFailed(f"torchrun should start one process per GPU, --nproc-per-node={gpus_per_node} "
                           f"(or gpu), got {per_node or 'none'}.")
     if script not in command:
         raise CheckFailed(f"the command does not run {script}.")
+
+
+def _rehearsed(line):
+    """Each pod's command, read as the cluster runs it (chapter 07, section 7.6), under both
+    operator releases: the first mistake the rehearsal names is the learner's."""
+    from .. import rehearsal
+    from ..rehearsal.findings import LINE, seen
+
+    for flavour in ("older", "newer"):
+        mistakes = seen(LINE, rehearsal.read(line, flavour))
+        if mistakes:
+            name, message = mistakes[0]
+            raise CheckFailed(f"rehearsed as the cluster would run it (an {flavour} training operator): "
+                              f"{message} [{name}]")
 
 
 def _image_resources_environment(words):

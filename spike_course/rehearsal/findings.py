@@ -28,6 +28,16 @@ def _elastic(reading):
     return [run for run in reading.torchruns if run.backend != "static" and not run.standalone]
 
 
+def _why_loopback(reading):
+    if not any("MASTER_ADDR" in run.environment for run in reading.torchruns):
+        return ("a job without a master pod gets no MASTER_ADDR, so it must be elastic "
+                "(--min-replicas/--max-replicas: the operator then injects the rendezvous endpoint), "
+                "or keep the master pod.")
+    return (f"torchrun reads PET_MASTER_ADDR, never MASTER_ADDR, and this operator "
+            f"({reading.job.flavour}) does not inject it. Pass {FIX_MASTER} (the shell expands them "
+            "in each pod; runai.torchrun_command(..., master=True) writes it).")
+
+
 def _node_ranks_clash(reading):
     runs = _static(reading)
     return bool(runs) and sorted(run.node_rank for run in runs) != list(range(len(runs)))
@@ -56,7 +66,18 @@ def _not_exec(reading):
     return [run for run in reading.torchruns if not run.execs]
 
 
+def _master_missing(reading):
+    """The command passes $MASTER_ADDR, but the job has no master pod to inject it."""
+    return "MASTER_ADDR" in " ".join(" ".join(pod.command) for pod in reading.job.pods) and not any(
+        "MASTER_ADDR" in pod.env({p.name: p.name for p in reading.job.pods}, 0) for pod in reading.job.pods)
+
+
 LINE = [
+    Mistake("no-master-address",
+            _master_missing,
+            "the command passes $MASTER_ADDR, but a job without a master pod (--no-master) gets no "
+            "MASTER_ADDR: keep the master pod, or make the job elastic (--min-replicas/--max-replicas) "
+            "and leave the master flags out."),
     Mistake("pod-launches-nothing",
             lambda r: bool(r.silent_pods),
             lambda r: f"{', '.join(r.silent_pods)} started neither torchrun nor python"
@@ -77,9 +98,7 @@ LINE = [
     Mistake("own-loopback",
             lambda r: _several(r) and any(run.own_loopback for run in r.torchruns),
             lambda r: "torchrun in " + ", ".join(run.pod for run in r.torchruns if run.own_loopback)
-                      + " rendezvouses on its own 127.0.0.1: torchrun reads PET_MASTER_ADDR, never "
-                      f"MASTER_ADDR, and this operator ({r.job.flavour}) does not inject it, so the "
-                      f"pods never meet. Pass {FIX_MASTER} (the shell expands them in each pod)."),
+                      + " rendezvouses on its own 127.0.0.1, so the pods never meet: " + _why_loopback(r)),
     Mistake("meeting-points-differ",
             lambda r: len(_meetings(r)) > 1,
             lambda r: "the pods meet at different places: " + ", ".join(

@@ -19,7 +19,7 @@ from unittest import mock
 
 from . import jobs, operator, pods
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0", "")   # "": an unset $MASTER_ADDR
 DEFAULT_MASTER_PORT = 29500   # torchrun's --master-port when nothing sets it
 
 
@@ -130,7 +130,7 @@ def _parse_torchrun(launch: Launch, pod: jobs.Pod) -> None:
         for key in [k for k in os.environ if k.startswith("PET_") and k not in wanted]:
             os.environ.pop(key)
         parser = torchrun.get_args_parser()
-        parser.exit = _refuse
+        parser.prog, parser.exit = "torchrun", _refuse
         try:
             args = parser.parse_args(launch.argv)
             low, high = torchrun.parse_min_max_nnodes(args.nnodes)
