@@ -110,3 +110,8 @@ def test_a_bare_command_is_one_node():
 def test_a_line_it_cannot_read_gets_a_clear_error(text, problem):
     with pytest.raises(ValueError, match=problem):
         rehearsal.read(text)
+
+
+def test_a_slurm_script_is_refused_with_what_to_do_instead():
+    with pytest.raises(ValueError, match="Slurm batch script.*torchrun --standalone"):
+        rehearsal.read("#!/bin/bash\n#SBATCH --nodes=2\nsrun torchrun train.py\n")

@@ -91,3 +91,23 @@ def test_each_mistake_of_a_recorded_run_is_named(plant, name):
     run = recorded()
     plant(run)
     assert name in [seen for seen, _ in findings.seen(findings.RUN, run)]
+
+
+def test_the_command_line_runs_a_good_two_pod_line_and_says_so(volume, capsys):
+    from spike_course.cli import main
+
+    good = two_pods(runai.torchrun_command("train.py", "--ckpt", "/data/ck.pt", "--steps", 5, master=True))
+    assert main(["rehearse", good, "--volume", str(volume), "--timeout", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "-- under the newer operator (read, not run)" in out and "mistake [" not in out
+    assert "rank 0 of 2 in job-master-0: exited" in out and "rank 1 of 2 in job-worker-0: exited" in out
+    assert "last checkpoint: ck.pt" in out and ": loads" in out
+
+
+def test_the_command_line_names_what_it_will_not_run(capsys):
+    from spike_course.cli import main
+
+    assert main(["rehearse", two_pods("exec torchrun --nproc-per-node=1 train.py")]) == 1
+    out = capsys.readouterr().out
+    assert "mistake [own-loopback]" in out and "not run: on the cluster these pods would never" in out
+    assert main(["rehearse", "runai training submit --command -- true"]) == 2

@@ -1,8 +1,8 @@
 """A job as a learner submits it, read into the pods the cluster would start.
 
-Three forms: a ``runai training [pytorch] submit ...`` line (as ``spike_course.runai`` builds
-it or a learner types it), an ``sbatch`` script (``#SBATCH`` lines and a body that calls
-``srun``), and a bare command (``torchrun --standalone ...``: one node). Nothing runs here:
+Two forms: a ``runai training [pytorch] submit ...`` line (as ``spike_course.runai`` builds
+it or a learner types it), and a bare command (``torchrun --standalone ...``: one node). Slurm
+batch scripts are refused with a clear message (not rehearsed yet). Nothing runs here:
 :func:`read_job` returns a :class:`Job`, whose pods say what each process group starts with
 and which environment the operator (or Slurm) injects into it.
 """
@@ -18,7 +18,6 @@ from typing import Callable
 from . import operator
 
 KUBERNETES_GRACE = 30.0   # terminationGracePeriodSeconds unless the pod asks for another
-SLURM_KILL_WAIT = 30.0    # slurm.conf KillWait: SIGTERM to SIGKILL when a job is cancelled
 
 # Run:ai flags that take a value and change nothing the rehearsal runs.
 _VALUE_FLAGS = {"-i", "--image", "-p", "--project", "--user-group-source", "--cpu-core-request",
@@ -44,7 +43,7 @@ class Pod:
 @dataclass
 class Job:
     """What the cluster would run: the pods, the grace period, where the volume is mounted."""
-    kind: str                       # "runai pytorch", "runai", "sbatch" or "command"
+    kind: str                       # "runai pytorch", "runai" or "command"
     name: str
     pods: list[Pod]
     grace: float                    # seconds between SIGTERM and SIGKILL
@@ -59,17 +58,17 @@ class Job:
 
 
 def read_job(text: str, flavour: str = "older") -> Job:
-    """The job a ``runai`` line, an ``sbatch`` script or a bare command describes."""
+    """The job a ``runai`` line or a bare command describes."""
     if flavour not in operator.FLAVOURS:
         raise ValueError(f"unknown operator flavour {flavour!r}: use one of {sorted(operator.FLAVOURS)}")
     stripped = text.strip()
     if not stripped:
-        raise ValueError("no job given: pass a `runai training ... submit` line, an sbatch script "
+        raise ValueError("no job given: pass a `runai training ... submit` line "
                          "or a torchrun command")
     if "#SBATCH" in stripped or stripped.startswith("#!") and "srun" in stripped:
-        from .slurm import read_sbatch
-
-        return read_sbatch(stripped)
+        raise ValueError("this is a Slurm batch script: the rehearsal reads Run:ai lines and bare "
+                         "torchrun commands only, so far. Rehearse the command srun starts on one node "
+                         "(`spike-course rehearse 'torchrun --standalone ...'`)")
     words = shlex.split(stripped.replace("\\\n", " "))
     if words[:2] == ["runai", "training"] or words[:1] == ["runai"] and "submit" in words:
         return _read_runai(words, flavour)

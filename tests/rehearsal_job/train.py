@@ -1,6 +1,6 @@
-"""torchrun --nproc-per-node=1 train.py --ckpt ck.pt [--save-seconds S] [--slip NAME ...]
+"""torchrun --nproc-per-node=1 train.py --ckpt ck.pt [--steps N] [--save-seconds S] [--slip NAME ...]
 
-A job for the rehearsal's tests: it steps until SIGTERM, saves rank 0's checkpoint (after
+A job for the rehearsal's tests: it steps until SIGTERM (or N steps), saves rank 0's checkpoint (after
 --save-seconds), then exits. Each --slip plants one mistake a rehearsal must name."""
 import argparse
 import json
@@ -15,6 +15,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--ckpt", required=True)
 parser.add_argument("--save-seconds", type=float, default=0.0)
 parser.add_argument("--slip", action="append", default=[])
+parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: at SIGTERM)")
 args = parser.parse_args()
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -40,7 +41,7 @@ while True:
     step += 1
     flag = torch.tensor([float(len(stop))])
     dist.all_reduce(flag)
-    if flag.item():
+    if flag.item() or step == args.steps:
         break
     time.sleep(0.1)
 if rank == 0:
