@@ -23,6 +23,9 @@ import sys
 from pathlib import Path
 
 POD_SITE = Path(__file__).with_name("pod_site")
+# The course's workers import spike_course's runtime; the README's image recipe installs the
+# package in the cluster's image, so the pods find it here too.
+COURSE_PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TOOLS = ("torchrun", "python", "python3")
 
@@ -70,7 +73,7 @@ def pod_environment(injected: dict, *, home: Path, records: Path, pod: str, gpus
     inherited = {k: os.environ[k] for k in ("LANG", "LC_ALL", "TMPDIR", "SPIKE_COURSE_DATA")
                  if k in os.environ}
     return {**inherited, "PATH": CONTAINER_PATH, "HOME": str(home), "USER": "pod",
-            "PYTHONPATH": str(POD_SITE), "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": f"{POD_SITE}:{COURSE_PACKAGE_PARENT}", "CUDA_VISIBLE_DEVICES": "",
             "SPIKE_REHEARSAL_RECORDS": str(records), "SPIKE_REHEARSAL_POD": pod,
             "SPIKE_REHEARSAL_GPUS": str(gpus), **injected}
 
