@@ -76,16 +76,47 @@ def test_collective_time_agrees_with_the_ring_allreduce_of_chapter_01(n):
 
 def test_dp_buckets_pay_one_latency_each():
     bw, n = 900e9, 8
-    one = costmodel.collective_time("all_reduce", 2e9, n, bw)
-    bucketed = costmodel.dp_comm_time(1e9, n, bw)  # 2 GB of bf16 gradients in 25 MiB buckets
-    buckets = int(np.ceil(2e9 / costmodel.DDP_BUCKET_BYTES))
+    assert costmodel.GRAD_BYTES == 4  # float32 gradients: what DDP all-reduces without a compression hook
+    one = costmodel.collective_time("all_reduce", 4e9, n, bw)
+    bucketed = costmodel.dp_comm_time(1e9, n, bw)  # 4 GB of float32 gradients in 25 MiB buckets
+    buckets = int(np.ceil(4e9 / costmodel.DDP_BUCKET_BYTES))
     assert bucketed == pytest.approx(one + (buckets - 1) * 2 * (n - 1) * costmodel.NCCL_ALPHA)
 
 
-def test_fsdp_moves_one_and_a_half_times_ddp_bytes():
+def test_fsdp_moves_one_and_a_half_times_ddp_elements():
     bw = costmodel.link_bandwidth("nvlink5")
-    ratio = costmodel.fsdp_comm_time(7e9, 8, bw, alpha=0) / costmodel.dp_comm_time(7e9, 8, bw, alpha=0)
-    assert ratio == pytest.approx(1.5)
+    same_dtype = costmodel.fsdp_comm_time(7e9, 8, bw, param_bytes=4, grad_bytes=4, alpha=0)
+    assert same_dtype / costmodel.dp_comm_time(7e9, 8, bw, alpha=0) == pytest.approx(1.5)
+    # bf16 gathers and float32 reductions (the defaults): 2 + 2 + 4 bytes against DDP's 2 x 4
+    mixed = costmodel.fsdp_comm_time(7e9, 8, bw, alpha=0)
+    assert mixed / costmodel.dp_comm_time(7e9, 8, bw, alpha=0) == pytest.approx(1.0)
+
+
+def test_group_bandwidth_inside_a_node_is_nvlink():
+    assert costmodel.group_bandwidth(8) == costmodel.link_bandwidth("nvlink5")
+    assert costmodel.group_bandwidth(4, link="pcie5") == costmodel.link_bandwidth("pcie5")
+
+
+def test_group_bandwidth_over_whole_nodes_uses_every_nic():
+    # a DGX B200: 8 NICs of 50 GB/s, one per rail; a ring over whole nodes spreads its bytes over all
+    assert (costmodel.GPUS_PER_NODE, costmodel.NICS_PER_NODE) == (8, 8)
+    assert costmodel.IB_NDR_PER_NIC == costmodel.link_bandwidth("ib_ndr") == 50e9
+    assert costmodel.group_bandwidth(16) == costmodel.group_bandwidth(512) == 8 * 50e9
+    assert costmodel.group_bandwidth(16, nics_per_node=1) == 50e9          # one NIC for the node
+    assert costmodel.group_bandwidth(16, nics_per_node=32) == 900e9        # NVLink is the limit then
+
+
+def test_group_bandwidth_shares_the_nics_with_the_nodes_other_groups():
+    assert costmodel.group_bandwidth(8, ranks_per_node=1) == 50e9   # GPU i of 8 nodes: rail i only
+    assert costmodel.group_bandwidth(8, ranks_per_node=4) == 200e9  # half the node: half its NICs
+    assert costmodel.group_bandwidth(1, ranks_per_node=1) == 900e9  # a group of one never leaves its GPU
+
+
+@pytest.mark.parametrize("kwargs", [{"world_size": 0}, {"world_size": 16, "ranks_per_node": 9},
+                                    {"world_size": 16, "ranks_per_node": 0}, {"world_size": 2.0}])
+def test_group_bandwidth_rejects_impossible_groups(kwargs):
+    with pytest.raises(ValueError):
+        costmodel.group_bandwidth(**kwargs)
 
 
 def test_nvlink_beats_pcie_by_the_ratio_of_the_links():
@@ -126,6 +157,18 @@ def test_plan_shards_what_ddp_cannot_hold():
 
 def test_plan_prefers_hsdp_across_nodes():
     assert recommended(costmodel.plan_parallelism(30e9, 16384, 64)) == ["HSDP"]
+
+
+def test_plan_counts_the_nics_of_a_node():
+    def comm(**kw):
+        return {r["strategy"]: r["comm"] for r in costmodel.plan_parallelism(7e9, 16384, 64, **kw)}
+
+    rails, one = comm(), comm(nics_per_node=1)
+    # DDP and FSDP over whole nodes: 8 NICs carry 8 times as much; latency is the same
+    assert rails["DDP"] < one["DDP"] and rails["FSDP"] < one["FSDP"]
+    no_latency = {n: costmodel.dp_comm_time(7e9, 64, costmodel.group_bandwidth(64, nics_per_node=n), alpha=0)
+                  for n in (1, 8)}
+    assert no_latency[1] == pytest.approx(8 * no_latency[8])
 
 
 def test_plan_says_when_nothing_fits():

@@ -4,7 +4,10 @@ A lecture that says what a backend can or cannot do should fail here, quickly, t
 upgrade changes it, rather than mislead a learner: gloo's ReduceOp.AVG (chapter 03), the
 order in which FSDP2 averages gradients (chapter 11), the import torch.distributed.checkpoint
 needs (chapter 06), the flight recorder's older variable names (chapter 10) and ZeRO-1's
-traffic in the cost model (chapter 06).
+traffic in the cost model (chapter 06). Then what the course says about clusters: the
+gradients' dtype that DDP reduces under autocast, where context_parallel_unshard lives and
+the pieces of async TP (chapters 05, 11, 12), and the numbers that chapters 05, 08, 12 and
+13 compute from the cost model, so that a change of the model that moves them fails here.
 """
 
 import os
@@ -165,3 +168,132 @@ def test_nvlink_vs_pcie_all_reduce_ratio():
     t = {link: costmodel.collective_time("all_reduce", 2**30, 8, costmodel.link_bandwidth(link))
          for link in ("nvlink5", "pcie5")}
     assert 13.9 < t["pcie5"] / t["nvlink5"] < 14.1
+
+
+DDP_GRADIENT_DTYPE = """
+import os, tempfile
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
+seen = []
+def record(state, bucket):  # the bucket DDP would all-reduce, unchanged
+    seen.append(bucket.buffer().dtype)
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+model = DDP(torch.nn.Linear(8, 8))
+model.register_comm_hook(None, record)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    out = model(torch.randn(4, 8))
+out.float().sum().backward()
+print("computed", out.dtype, "reduced", sorted({str(d) for d in seen}))
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_reduces_float32_gradients_under_bf16_autocast():
+    """Chapters 08, 11 and 13 (costmodel.GRAD_BYTES = 4): autocast computes in bf16, but the
+    gradients of float32 parameters are float32, and those are the buckets DDP all-reduces."""
+    done = fresh_python(DDP_GRADIENT_DTYPE)
+    assert done.returncode == 0, done.stderr
+    assert "computed torch.bfloat16 reduced ['torch.float32']" in done.stdout, done.stdout
+    assert costmodel.GRAD_BYTES == torch.tensor([], dtype=torch.float32).element_size()
+
+
+def test_context_parallel_unshard_is_not_public_in_this_torch():
+    """Chapter 12 imports it from _context_parallel: the public package exports only
+    context_parallel, and the _attention module is a stub kept for older imports."""
+    import inspect
+
+    import torch.distributed.tensor.experimental as experimental
+    from torch.distributed.tensor.experimental import _attention, _context_parallel
+
+    assert "context_parallel" in experimental.__all__
+    assert not hasattr(experimental, "context_parallel_unshard")
+    assert callable(_context_parallel.context_parallel_unshard) and callable(_context_parallel.set_rotate_method)
+    assert "Backward compatibility stub" in inspect.getsource(_attention)
+
+
+def test_async_tp_pieces_are_where_chapter_05_says():
+    """Async TP: an inductor pass (off by default) fuses all-gather + matmul and matmul +
+    reduce-scatter into symmetric-memory ops; it has no all-reduce pattern to fuse."""
+    import inspect
+
+    import torch._inductor.config as inductor
+    import torch.distributed._symmetric_memory  # noqa: F401  (registers the symm_mem ops)
+    from torch._inductor.fx_passes import micro_pipeline_tp
+
+    assert inductor._micro_pipeline_tp is False
+    assert hasattr(torch.ops.symm_mem, "fused_all_gather_matmul")
+    assert hasattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter")
+    source = inspect.getsource(micro_pipeline_tp.micro_pipeline_tp_pass)
+    assert "find_all_gather_patterns" in source and "find_reduce_scatter_patterns" in source
+
+
+# The numbers the cluster chapters state, from the cost model they compute them with.
+CH13_TARGET = dict(layers=32, dim=4096, hidden=11008, vocab=32000, max_seq=4096)  # chapter 13's 7B-class model
+
+
+def break_even(psi, seconds):
+    """Tokens per GPU per step at which 6 psi tokens at 40% of a B200 take `seconds`."""
+    return seconds * costmodel.B200_BF16_FLOPS * 0.4 / (6 * psi)
+
+
+def test_a_ring_over_whole_dgx_nodes_has_every_nic():
+    """Chapter 08: 400 GB/s per rank over whole nodes (2.25 times less than NVLink, not 18)."""
+    nvlink, one_nic = costmodel.link_bandwidth("nvlink5"), costmodel.link_bandwidth("ib_ndr")
+    assert nvlink / costmodel.group_bandwidth(64) == pytest.approx(2.25)
+    assert nvlink / one_nic == pytest.approx(18)
+    assert costmodel.group_bandwidth(8, ranks_per_node=1) == one_nic
+
+
+def test_chapter_13_break_evens_over_eight_nodes():
+    """Was DDP 13,256 and FSDP 17,853 tokens per GPU (one 50 GB/s NIC, bf16 gradients)."""
+    psi = costmodel.transformer_params(*CH13_TARGET.values())
+    nvlink, nodes = costmodel.link_bandwidth("nvlink5"), costmodel.group_bandwidth(64)
+    evens = {"ddp 8": break_even(psi, costmodel.dp_comm_time(psi, 8, nvlink)),
+             "ddp 64": break_even(psi, costmodel.dp_comm_time(psi, 64, nodes)),
+             "fsdp 64": break_even(psi, costmodel.fsdp_comm_time(psi, 64, nodes, units=32)),
+             "fsdp 512": break_even(psi, costmodel.fsdp_comm_time(psi, 512, nodes, units=32))}
+    assert {k: round(v, -2) for k, v in evens.items()} == {"ddp 8": 1500, "ddp 64": 5800, "fsdp 64": 3100,
+                                                           "fsdp 512": 4100}
+    # a 4M-token batch over 512 GPUs (8,192 each) hides FSDP's traffic, over 1,024 (4,096 each) not
+    fsdp_1024 = break_even(psi, costmodel.fsdp_comm_time(psi, 1024, costmodel.group_bandwidth(1024), units=32))
+    assert 4 * 2**20 / 512 > evens["fsdp 512"] and 4 * 2**20 / 1024 < fsdp_1024
+
+
+def test_chapter_13_calculator_example():
+    """7B on 64 GPUs, one 4096-token sequence each: FSDP hides at tp 1 (was 642 ms exposed);
+    at tp 8 each replica's shard crosses one NIC and about 110 ms wait per step."""
+    params = 7e9
+    layers, dim = costmodel.transformer_shape(params)
+    compute_tp1 = costmodel.compute_time(params, 4096)
+    fsdp_tp1 = costmodel.fsdp_comm_time(params, 64, costmodel.group_bandwidth(64), units=layers)
+    assert round(compute_tp1 * 1e3) == 191 and round(fsdp_tp1 * 1e3) == 144
+    compute_tp8 = costmodel.compute_time(params, 4096 / 8)
+    fsdp_tp8 = costmodel.fsdp_comm_time(params / 8, 8, costmodel.group_bandwidth(8, ranks_per_node=1), units=layers)
+    tp_comm = costmodel.tp_comm_time(4096, dim, layers, 8, costmodel.link_bandwidth("nvlink5"))
+    exposed = fsdp_tp8 - compute_tp8 + tp_comm
+    assert round(exposed * 1e3) == 110
+    hours = {tp: (compute + wait) * 1e12 / (4096 * 64 // tp) / 3600
+             for tp, compute, wait in ((1, compute_tp1, 0.0), (8, compute_tp8, exposed))}
+    assert (round(hours[1]), round(hours[8])) == (203, 1135)
+
+
+def test_tensor_parallel_across_nodes():
+    """Chapter 13: tp 16 over two whole nodes costs about twice the compute (was 'more than
+    ten times'); chapter 05: a tp group halved over two nodes is 4.5 to 18 times slower."""
+    psi = costmodel.transformer_params(*CH13_TARGET.values())
+    compute = costmodel.compute_time(psi, 4096) / 16
+    comm = costmodel.tp_comm_time(4096, 4096, 32, 16, costmodel.group_bandwidth(16))
+    assert round(comm / compute, 1) == 2.1
+    nvlink = costmodel.link_bandwidth("nvlink5")
+    assert [nvlink / costmodel.group_bandwidth(tp, ranks_per_node=tp // 2) for tp in (2, 8)] == [18.0, 4.5]
+
+
+def test_grouped_query_attention_lets_context_parallel_cross_nodes():
+    """Chapter 12: a ring step over one NIC hides from F m b / 2B tokens per rank, 18,000 with
+    full attention, times KV heads / heads: 1,125 for Llama 3 405B (128 heads, 8 KV)."""
+    full = costmodel.B200_BF16_FLOPS * 0.4 * 2 / (2 * costmodel.link_bandwidth("ib_ndr"))
+    assert full == pytest.approx(18_000) and full * 8 / 128 == pytest.approx(1_125)
+    assert 131_072 // 16 > 7 * full * 8 / 128  # Llama 3 405B's 8,192 tokens per rank over CP = 16

@@ -142,8 +142,9 @@ def _check_mesh(where, gpus, dp, tp) -> None:
                           "not multiply to the world size (Hint 1).")
     if tp > per_node:
         raise CheckFailed(f"{where}: tensor parallel across nodes. A tp group of {tp} spans more than one "
-                          f"node of {per_node} GPUs, so its all-reduces, four per layer that nothing hides, go "
-                          "over InfiniBand (section 3 of the lecture, 'Where tensor parallel stops paying').")
+                          f"node of {per_node} GPUs, so its all-reduces, four per layer on the critical path, go "
+                          "over InfiniBand at less than half of NVLink's bandwidth, where async TP cannot hide them "
+                          "(section 3 of the lecture, 'Where tensor parallel stops paying').")
     if per_node % tp:
         raise CheckFailed(f"{where}: tp = {tp} does not divide the {per_node} GPUs of a node, so some tp "
                           "groups straddle two nodes (lecture section 2: tp groups are consecutive ranks).")

@@ -1,10 +1,10 @@
 """Closed-form costs, so that measurements have something to be compared with.
 
 One module per topic: collectives (alpha-beta collective times, bus bandwidth as
-nccl-tests defines it, link speeds, fitting alpha and beta), pipeline (bubble fraction,
-ideal schedules), memory (ZeRO/FSDP bytes per device, activations, the memory planner),
-planner (step-time predictions, the parallelism decision guide). Pure python and numpy:
-no torch.
+nccl-tests defines it, link speeds, a group's bandwidth across nodes, fitting alpha and
+beta), pipeline (bubble fraction, ideal schedules), memory (ZeRO/FSDP bytes per device,
+activations, the memory planner), planner (step-time predictions, the parallelism
+decision guide). Pure python and numpy: no torch.
 Everything is importable from ``spike_course.costmodel`` directly.
 """
 
@@ -16,7 +16,9 @@ from __future__ import annotations
 from .collectives import (
     NVLINK5_BIDIR,
     PCIE5_X16_BIDIR,
-    IB_NDR_PER_GPU,
+    IB_NDR_PER_NIC,
+    GPUS_PER_NODE,
+    NICS_PER_NODE,
     NCCL_ALPHA,
     ALLREDUCE_ALGORITHMS,
     BUS_FACTORS,
@@ -26,11 +28,13 @@ from .collectives import (
     fit_alpha_beta,
     link_bandwidth,
     collective_time,
+    group_bandwidth,
 )
 from .planner import (
     B200_BF16_FLOPS,
     DDP_BUCKET_BYTES,
     ACTIVATION_HEADROOM,
+    GRAD_BYTES,
     dp_comm_time,
     fsdp_comm_time,
     tp_comm_time,

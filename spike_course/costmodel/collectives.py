@@ -1,14 +1,21 @@
 """Closed-form communication costs: alpha-beta all-reduce times (chapter 01), bus bandwidth
-as nccl-tests defines it, link speeds, fitting alpha and beta to measurements and the
-time of one ring collective on a real link (chapter 08)."""
+as nccl-tests defines it, link speeds, the bandwidth of a group across DGX nodes, fitting
+alpha and beta to measurements and the time of one ring collective on a real link
+(chapter 08)."""
 
 from __future__ import annotations
 
 # Link speeds as published: both directions added. One direction carries half.
 NVLINK5_BIDIR = 1800e9     # bytes/s per GPU, NVLink 5 (Blackwell, e.g. B200 in a DGX)
 PCIE5_X16_BIDIR = 128e9    # bytes/s, a PCIe Gen 5 x16 slot
-IB_NDR_PER_GPU = 50e9      # bytes/s per direction: one 400 Gb/s InfiniBand NIC per GPU (DGX B200)
+IB_NDR_PER_NIC = 50e9      # bytes/s per direction of one 400 Gb/s InfiniBand NDR NIC
 NCCL_ALPHA = 1e-6          # seconds of latency per ring step inside a node (8 GPUs: ~15 us a call)
+
+# A DGX B200: 8 GPUs, and 8 such NICs for the compute network, one beside each GPU. The
+# network is "rail-optimised": NIC i of every node is on switch (rail) i, so GPU i of one
+# node reaches GPU i of any other through one NIC and one switch.
+GPUS_PER_NODE = 8
+NICS_PER_NODE = 8
 
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "tree")
 
@@ -119,9 +126,12 @@ def link_bandwidth(link: str) -> float:
     """Bytes per second in ONE direction per GPU of a named link.
 
     The published figures are bidirectional (both directions added); a ring collective
-    sends and receives at once, so each direction carries half of it.
+    sends and receives at once, so each direction carries half of it. ``"ib_ndr"`` is one
+    NIC: right for one stream between two GPUs of different nodes (a pipeline's send, a ring
+    attention step); a collective over whole nodes uses all their NICs at once
+    (:func:`group_bandwidth`).
     """
-    links = {"nvlink5": NVLINK5_BIDIR / 2, "pcie5": PCIE5_X16_BIDIR / 2, "ib_ndr": IB_NDR_PER_GPU}
+    links = {"nvlink5": NVLINK5_BIDIR / 2, "pcie5": PCIE5_X16_BIDIR / 2, "ib_ndr": IB_NDR_PER_NIC}
     if link not in links:
         raise ValueError(f"unknown link {link!r}: choose one of {', '.join(links)}")
     return links[link]
@@ -142,3 +152,30 @@ def collective_time(op: str, nbytes: float, world_size: int, bandwidth: float,
     factor = bus_bandwidth(1.0, 1.0, n, op)  # busbw/algbw, the nccl-tests factor
     steps = 2 * (n - 1) if op == "all_reduce" else n - 1
     return steps * alpha + nbytes * factor / bandwidth
+
+
+def group_bandwidth(world_size: int, ranks_per_node: int | None = None,
+                    gpus_per_node: int = GPUS_PER_NODE, nics_per_node: int = NICS_PER_NODE,
+                    link: str = "nvlink5", nic: float = IB_NDR_PER_NIC) -> float:
+    """Bus bandwidth per rank (bytes/s, one direction) of a ring collective over a group.
+
+    ``ranks_per_node`` is how many of the group's ranks share a node: by default the group is
+    consecutive ranks, so it fills whole nodes (``min(world_size, gpus_per_node)``).
+    Inside one node it is the node's ``link``. Across nodes, NCCL runs one ring (channel)
+    per rail, each carrying its share of the bytes, and each ring leaves a node through
+    one NIC: the bytes that cross the network are spread over all the node's NICs. Each
+    rank's bus bandwidth is then the smaller of the link inside the node and the NICs the
+    group has: about min(900 GB/s, 8 x 50 GB/s) for whole DGX B200 nodes, not 50 GB/s.
+    A group with fewer ranks per node shares the NICs with the node's other groups (the
+    replicas of HSDP, the dp groups of a tp x dp mesh), which run at the same time: with one
+    rank per node it has one NIC, 50 GB/s.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
+    per_node = min(world_size, gpus_per_node) if ranks_per_node is None else ranks_per_node
+    if not isinstance(per_node, int) or not 1 <= per_node <= gpus_per_node:
+        raise ValueError(f"ranks_per_node must be a whole number from 1 to {gpus_per_node}, got {per_node!r}")
+    inside = link_bandwidth(link)
+    if world_size <= per_node:  # the whole group is in one node
+        return inside
+    return min(inside, nics_per_node * per_node / gpus_per_node * nic)
