@@ -20,6 +20,23 @@ def pytest_collection_modifyitems(items):
             item.add_marker(PROCESSES)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Say which notebooks the tests did not read as they are on disk: the tests read what git
+    stages (course_files), nbval runs the working tree. For a learner that is their own work;
+    for a maintainer, an edit that needs `git add` before the tests see it."""
+    import course_files
+
+    changed, untracked = course_files.differing()
+    if changed or untracked:
+        terminalreporter.section("notebooks read as git stages them")
+        for what, paths in (("cells differ from git's index", changed), ("not in git", untracked)):
+            if paths:
+                terminalreporter.write_line(f"{what}: {', '.join(paths)}")
+        terminalreporter.write_line("The tests read these as git stages them, your work aside (nbval runs the "
+                                    "lectures and solutions as they are on disk). A maintainer's edit needs "
+                                    "`git add` before every test reads it.")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     with _processes_refused_unless_marked(item):

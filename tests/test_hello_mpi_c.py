@@ -6,8 +6,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import nbformat
 import pytest
+
+import course_files
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_message_passing.ipynb"
 
@@ -31,7 +32,7 @@ int MPI_Wait(MPI_Request *request, MPI_Status *status);
 
 @pytest.fixture
 def c_source(tmp_path):
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
+    cells = course_files.notebook(NOTEBOOK).cells
     cell = next(c for c in cells if c.source.startswith("%%writefile") and ".c" in c.source.split()[1])
     path = tmp_path / "hello_mpi.c"
     path.write_text(cell.source.split("\n", 1)[1] + "\n")
