@@ -11,6 +11,10 @@ its own folder (as in JupyterLab: its worker scripts land in ``notebooks/workers
 
 Executed notebooks are kept in a jupyter-cache under ``WORK/jupyter_cache``: a lecture
 runs again only when one of its code cells changed (or its last run failed).
+
+The maths is typeset by MathJax served from the site itself (``_static/mathjax/``, the copy
+that the Jupyter project ships as ``jupyter-server-mathjax``), not from a CDN: the edition
+is read in workshop rooms and on clusters' login nodes, offline.
 """
 
 from __future__ import annotations
@@ -34,6 +38,15 @@ CONF = {
     "nb_execution_show_tb": True,   # a failing cell's traceback goes into the build log
     # %%writefile cells hold C or shell that the ipython3 highlighter cannot lex: harmless.
     "suppress_warnings": ["misc.highlighting_failure"],
+    # MathJax 2 from _static/mathjax/ (see mathjax_folder). myst marks the pages' text
+    # tex2jax_ignore and its formulas "math": typeset those only, as \( \) and \[ \] (the
+    # delimiters Sphinx writes), in the web font the package ships (no image fonts there).
+    "mathjax_path": "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full",
+    "mathjax2_config": {
+        "tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]],
+                    "processClass": "math", "ignoreClass": "tex2jax_ignore"},
+        "HTML-CSS": {"availableFonts": [], "preferredFont": None, "webFont": "STIX-Web", "imageFont": None},
+    },
 }
 
 INDEX = """\
@@ -73,6 +86,18 @@ def write_source(notebooks: Path, source: Path) -> list[str]:
     return chapters
 
 
+def mathjax_folder(static: Path) -> Path:
+    """Link ``static/mathjax`` to the MathJax that jupyter-server-mathjax installs, so that
+    Sphinx copies it to the site's ``_static/mathjax/``; return ``static``."""
+    import jupyter_server_mathjax
+
+    static.mkdir(parents=True, exist_ok=True)
+    link = static / "mathjax"
+    link.unlink(missing_ok=True)
+    link.symlink_to(Path(jupyter_server_mathjax.__file__).parent / "static", target_is_directory=True)
+    return static
+
+
 def _exec_data(env, docname: str) -> dict:
     from myst_nb.sphinx_ import NbMetadataCollector
 
@@ -86,7 +111,8 @@ def build_site(notebooks: Path, out_dir: Path, work_dir: Path, timeout: int = 60
     from sphinx.util.docutils import docutils_namespace, patch_docutils
 
     chapters = write_source(notebooks, work_dir / "source")
-    conf = dict(CONF, nb_execution_timeout=timeout, nb_execution_cache_path=str(work_dir / "jupyter_cache"))
+    conf = dict(CONF, nb_execution_timeout=timeout, nb_execution_cache_path=str(work_dir / "jupyter_cache"),
+                html_static_path=[str(mathjax_folder(work_dir / "static"))])
     # As sphinx-build does: docutils' directives and roles registered for this build only.
     # Without MPLBACKEND the kernels myst-nb starts draw inline: a cluster shell's
     # MPLBACKEND=Agg would publish pages without figures (notebook.show_figures_inline does

@@ -1,9 +1,10 @@
 """The rendered edition, built from three tiny lectures: pages in order, previous/next
 links, search, the figure, run times, the notebook's own folder as its working directory,
-a failing lecture reported (and run again next time), and the cache that makes a second
-build skip the lectures that passed."""
+a failing lecture reported (and run again next time), the cache that makes a second
+build skip the lectures that passed, and a formula typeset in a browser with the network off."""
 
 import os
+import shutil
 from unittest import mock
 
 import nbformat
@@ -20,10 +21,13 @@ plt.plot([0, 1], [1, 0])
 plt.show()"""
 
 
-def _lecture(path, title, code):
+FORMULAS = "A tree takes $2\\lceil\\log_2 N\\rceil$ rounds, a ring\n\n$$2(N-1)\\left(\\alpha + \\frac{n}{N}\\beta\\right)$$"
+
+
+def _lecture(path, title, code, text="text"):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_markdown_cell(f"# {title}\n\ntext"), nbformat.v4.new_code_cell(code)]
+    nb.cells = [nbformat.v4.new_markdown_cell(f"# {title}\n\n{text}"), nbformat.v4.new_code_cell(code)]
     nbformat.write(nb, path)
 
 
@@ -33,7 +37,7 @@ def site(tmp_path_factory):
     (root / "notebooks").mkdir()
     # Written relative to the working directory, as chapters write workers/NN_topic/...
     _lecture(root / "notebooks" / "00_first.ipynb", "00 · First", "open('here.txt', 'w').write('x')")
-    _lecture(root / "notebooks" / "01_second.ipynb", "01 · Second", FIGURE)
+    _lecture(root / "notebooks" / "01_second.ipynb", "01 · Second", FIGURE, FORMULAS)
     _lecture(root / "notebooks" / "02_broken.ipynb", "02 · Broken", "open('fixed.txt').read()")
     # As from a cluster shell, which often exports MPLBACKEND=Agg: the figure must still show.
     with mock.patch.dict(os.environ, {"MPLBACKEND": "Agg"}):
@@ -83,3 +87,43 @@ def test_a_second_build_comes_from_the_cache_and_retries_the_failure(site):
     (root / "notebooks" / "00_first.ipynb").touch()
     assert edition.build_site(root / "notebooks", root / "html", root / "work") == []
     assert not (root / "notebooks" / "here.txt").exists()
+
+
+def test_a_formula_renders_with_the_network_off(site):
+    """The maths of a chapter typesets in a browser that can reach nothing but the site's own
+    files (a workshop room, a cluster's login node): MathJax comes from _static/mathjax/."""
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not os.path.exists(chromium):
+        pytest.skip("no Chromium: apt-get install chromium chromium-driver (CI does)")
+    pytest.importorskip("playwright.sync_api")
+    from playwright.sync_api import sync_playwright
+
+    from test_browser import CHROMIUM_FLAGS
+
+    root, _ = site
+    page_file = root / "html" / "notebooks" / "01_second.html"
+    assert 'src="../_static/mathjax/MathJax.js' in page_file.read_text()
+    asked_outside = []
+
+    def only_files(route):
+        if route.request.url.startswith("file://"):
+            route.continue_()
+        else:
+            asked_outside.append(route.request.url)
+            route.abort()
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        context = browser.new_context(offline=True)
+        context.route("**/*", only_files)
+        page = context.new_page()
+        page.goto(page_file.as_uri())
+        # MathJax's typeset output (HTML-CSS): one span.MathJax per formula, the display one
+        # in a div.MathJax_Display
+        page.locator("span.MathJax").nth(1).wait_for(state="attached", timeout=60_000)
+        typeset, display = page.locator("span.MathJax").count(), page.locator("div.MathJax_Display").count()
+        text = page.locator("section").first.inner_text()
+        browser.close()
+    assert (typeset, display) == (2, 1)
+    assert "\\lceil" not in text and "$" not in text  # no raw LaTeX left on the page
+    assert asked_outside == []
