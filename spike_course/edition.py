@@ -23,13 +23,18 @@ import os
 from pathlib import Path
 from unittest import mock
 
+from .headless import private_kernels
 from .notebook import describe_devices
+from .widget_pages import show_widgets_drawn
 
 CONF = {
     "project": "spike-course",
     "html_title": "Distributed PyTorch on (fractions of) GPUs",
     "extensions": ["myst_nb"],
     "html_theme": "sphinx_book_theme",
+    # One search box, the sidebar's: the pydata theme underneath would add a second one in a
+    # header bar of its own (sphinx-book-theme's empty default for it no longer reaches it).
+    "html_theme_options": {"navbar_persistent": []},
     "myst_enable_extensions": ["dollarmath"],  # $m$ in markdown cells, as JupyterLab shows it
     # index.md and the lectures; not the workers, data or figures the notebooks write.
     "include_patterns": ["index.md", "notebooks/[0-9][0-9]_*.ipynb"],
@@ -41,6 +46,8 @@ CONF = {
     # MathJax 2 from _static/mathjax/ (see mathjax_folder). myst marks the pages' text
     # tex2jax_ignore and its formulas "math": typeset those only, as \( \) and \[ \] (the
     # delimiters Sphinx writes), in the web font the package ships (no image fonts there).
+    # Widgets are drawn once on the page (widget_pages), with no ipywidgets script from a CDN.
+    "nb_ipywidgets_js": {},
     "mathjax_path": "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full",
     "mathjax2_config": {
         "tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]],
@@ -118,7 +125,7 @@ def build_site(notebooks: Path, out_dir: Path, work_dir: Path, timeout: int = 60
     # MPLBACKEND=Agg would publish pages without figures (notebook.show_figures_inline does
     # the same for a learner's kernel).
     without_backend = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
-    with mock.patch.dict(os.environ, without_backend, clear=True), \
+    with mock.patch.dict(os.environ, without_backend, clear=True), private_kernels(), \
             patch_docutils(work_dir / "source"), docutils_namespace():
         app = Sphinx(srcdir=work_dir / "source", confdir=None, outdir=out_dir, doctreedir=work_dir / "doctrees",
                      buildername="html", confoverrides=conf)
@@ -126,6 +133,7 @@ def build_site(notebooks: Path, out_dir: Path, work_dir: Path, timeout: int = 60
         # ask for it, so that the next build retries it instead of showing the old failure.
         app.connect("env-get-outdated", lambda app, env, *changes:
                     [doc for doc in chapters if _exec_data(env, doc).get("succeeded") is False])
+        app.connect("doctree-read", show_widgets_drawn)
         app.build()
 
     failed = []

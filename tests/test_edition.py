@@ -1,7 +1,8 @@
 """The rendered edition, built from three tiny lectures: pages in order, previous/next
 links, search, the figure, run times, the notebook's own folder as its working directory,
 a failing lecture reported (and run again next time), the cache that makes a second
-build skip the lectures that passed, and a formula typeset in a browser with the network off."""
+build skip the lectures that passed, a formula typeset in a browser with the network off, a
+widget drawn once on the page, one search box, and kernels that say nothing of TCP."""
 
 import os
 import shutil
@@ -24,6 +25,24 @@ plt.show()"""
 FORMULAS = "A tree takes $2\\lceil\\log_2 N\\rceil$ rounds, a ring\n\n$$2(N-1)\\left(\\alpha + \\frac{n}{N}\\beta\\right)$$"
 
 
+# A chapter's explorer: a control and what its draw function prints and plots.
+WIDGET = """\
+import ipywidgets as w
+import matplotlib.pyplot as plt
+from IPython.display import display
+
+gpus = w.SelectionSlider(options=[1, 2, 4, 8], value=4, description="GPUs")
+
+
+def draw(gpus):
+    print(f"{gpus} GPUs: {100 / gpus:g} hours")
+    plt.plot([1, gpus], [100, 100 / gpus])
+    plt.show()
+
+
+display(w.VBox([gpus, w.interactive_output(draw, {"gpus": gpus})]))"""
+
+
 def _lecture(path, title, code, text="text"):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -39,6 +58,7 @@ def site(tmp_path_factory):
     _lecture(root / "notebooks" / "00_first.ipynb", "00 · First", "open('here.txt', 'w').write('x')")
     _lecture(root / "notebooks" / "01_second.ipynb", "01 · Second", FIGURE, FORMULAS)
     _lecture(root / "notebooks" / "02_broken.ipynb", "02 · Broken", "open('fixed.txt').read()")
+    _lecture(root / "notebooks" / "03_widget.ipynb", "03 · Widget", WIDGET)
     # As from a cluster shell, which often exports MPLBACKEND=Agg: the figure must still show.
     with mock.patch.dict(os.environ, {"MPLBACKEND": "Agg"}):
         failed = edition.build_site(root / "notebooks", root / "html", root / "work")
@@ -127,3 +147,33 @@ def test_a_formula_renders_with_the_network_off(site):
     assert (typeset, display) == (2, 1)
     assert "\\lceil" not in text and "$" not in text  # no raw LaTeX left on the page
     assert asked_outside == []
+
+
+def test_a_widget_is_drawn_once_on_the_page_and_called_interactive(site):
+    root, _ = site
+    page = (root / "html" / "notebooks" / "03_widget.html").read_text()
+    assert "Interactive in JupyterLab" in page and "for GPUs = 4." in page
+    assert "4 GPUs: 25 hours" in page and '<img src="data:image/png;base64,' in page
+    assert "widget-view+json" not in page and "widget-state+json" not in page
+    assert 'src="http' not in page  # no ipywidgets script from a CDN: the page reads offline
+
+
+def test_a_page_has_one_search_box(site):
+    root, _ = site
+    assert (root / "html" / "notebooks" / "01_second.html").read_text().count("search-button-field") == 1
+
+
+def test_the_kernels_of_a_build_listen_on_private_sockets():
+    """ipykernel warns, for every kernel on TCP, that the notebook travels unencrypted: make html
+    printed it once per chapter. Every kernel that nbclient makes inside private_kernels() listens
+    on sockets in a private folder instead."""
+    from nbclient import NotebookClient
+
+    from spike_course.headless import private_kernels
+
+    with private_kernels():
+        kernels = [NotebookClient(nbformat.v4.new_notebook(), kernel_name="python3").create_kernel_manager()
+                   for _ in range(2)]
+    assert [k.transport for k in kernels] == ["ipc", "ipc"]
+    assert kernels[0].ip != kernels[1].ip and "spike-course-kernels-" in kernels[0].ip
+    assert NotebookClient(nbformat.v4.new_notebook(), kernel_name="python3").create_kernel_manager().transport == "tcp"
