@@ -42,6 +42,20 @@ def test_worker_scripts_go_to_the_chapter_folder(path):
             assert match.group(1).startswith(f"workers/{path.stem}/"), match.group(1)
 
 
+@pytest.mark.parametrize("path", course_files.tracked("notebooks", "[0-9][0-9]_*.ipynb"),
+                         ids=lambda p: p.stem)
+def test_numbered_sections_carry_their_chapters_number(path):
+    """From chapter 12 on a lecture numbers its sections "12.1", "12.2", ... (the edition's
+    contents and a learner's "see 14.2" then name one place); no lecture borrows another's number."""
+    chapter = int(path.stem[:2])
+    headings = [line for cell in course_files.notebook(path).cells if cell.cell_type == "markdown"
+                for line in cell.source.splitlines() if re.match(r"## \d", line)]
+    for heading in headings:
+        numbered = re.match(r"## (\d+)\.(\d+) ", heading)
+        assert numbered is None or int(numbered.group(1)) == chapter, heading
+        assert chapter < 12 or numbered, f"{path.name}: {heading!r} should read '## {chapter}.k ...'"
+
+
 def test_every_chapter_has_its_lecture_and_matching_exercise():
     lectures = {p.stem for p in course_files.tracked("notebooks", "*.ipynb")}
     solutions = {p.stem for p in course_files.tracked("solutions", "*.ipynb")}
