@@ -31,7 +31,7 @@ NAME_ONE = found=$$($(FIND_PYTHONS)); echo "Pythons found here:"; echo "$${found
 	if [ -n "$$usable" ]; then echo "name one by its full path: make $(MAKECMDGOALS) PYTHON=$$usable"; \
 	else echo "install Python 3.11, 3.12 or 3.13 (python.org, your package manager, or pyenv install 3.12), then name it: make $(MAKECMDGOALS) PYTHON=/path/to/python3.12"; fi
 
-.PHONY: lab test quick exercises html workers gpu-check flakiness clean FORCE
+.PHONY: lab test quick exercises html run-times workers gpu-check flakiness clean FORCE
 
 # Made again when pyproject.toml changes, when the last install did not finish, when .venv no
 # longer runs (the Python that made it was removed), and when PYTHON= on the command line
@@ -88,6 +88,14 @@ quick: $(BIN)/spike-course
 html: $(BIN)/spike-course
 	$(BIN)/spike-course html --out _build/html
 	@echo "open _build/html/index.html"
+
+# The README's run times, measured: every lecture executed afresh by make html (the cache
+# emptied first; about 10 minutes on 2 cores), recorded in notebooks/run_times.json with the
+# machine, then written into README.md. pytest's time: SPIKE_COURSE_RECORD_RUN_TIMES=1 make test.
+run-times: $(BIN)/spike-course
+	rm -rf _build/edition
+	SPIKE_COURSE_RECORD_RUN_TIMES=1 $(BIN)/spike-course html --out _build/html
+	$(BIN)/spike-course run-times
 
 # Every chapter's worker scripts in one folder, to copy to the cluster (no notebook runs).
 workers: $(BIN)/spike-course

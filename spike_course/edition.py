@@ -20,9 +20,11 @@ is read in workshop rooms and on clusters' login nodes, offline.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from unittest import mock
 
+from . import run_times
 from .headless import private_kernels
 from .notebook import describe_devices
 from .widget_pages import show_widgets_drawn
@@ -125,6 +127,7 @@ def build_site(notebooks: Path, out_dir: Path, work_dir: Path, timeout: int = 60
     # MPLBACKEND=Agg would publish pages without figures (notebook.show_figures_inline does
     # the same for a learner's kernel).
     without_backend = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    started = time.time()
     with mock.patch.dict(os.environ, without_backend, clear=True), private_kernels(), \
             patch_docutils(work_dir / "source"), docutils_namespace():
         app = Sphinx(srcdir=work_dir / "source", confdir=None, outdir=out_dir, doctreedir=work_dir / "doctrees",
@@ -136,17 +139,36 @@ def build_site(notebooks: Path, out_dir: Path, work_dir: Path, timeout: int = 60
         app.connect("doctree-read", show_widgets_drawn)
         app.build()
 
+    failed = _say_how_each_ran(app.env, chapters)
+    if run_times.recording():
+        _record_run_times(app.env, chapters, notebooks, started)
+    figures = save_chapter_figures(notebooks, work_dir / "jupyter_cache", out_dir / "figures")
+    print(f"wrote {out_dir / 'index.html'} and {len(figures)} chapter figures in {out_dir / 'figures'}")
+    return failed
+
+
+def _say_how_each_ran(env, chapters) -> list[str]:
+    """Print each chapter's run time, or its failure; return the chapters that failed."""
     failed = []
     for doc in chapters:
-        data = _exec_data(app.env, doc)
+        data = _exec_data(env, doc)
         if data.get("succeeded"):
             print(f"{doc}: {data['runtime']:.0f} s")
         else:
             print(f"{doc}: FAILED {data.get('error') or 'not executed'} (traceback in the log above)")
             failed.append(doc)
-    figures = save_chapter_figures(notebooks, work_dir / "jupyter_cache", out_dir / "figures")
-    print(f"wrote {out_dir / 'index.html'} and {len(figures)} chapter figures in {out_dir / 'figures'}")
     return failed
+
+
+def _record_run_times(env, chapters, notebooks: Path, started: float) -> None:
+    """Record in ``notebooks/run_times.json`` the lectures this build executed (not those from
+    the cache) and, when it executed every one of them, the build's own time."""
+    ran = {doc.split("/")[-1]: data["runtime"] for doc in chapters
+           if (data := _exec_data(env, doc)).get("succeeded") and data["mtime"] >= started}
+    whole = {"make html": time.time() - started} if len(ran) == len(chapters) else {}
+    run_times.record(notebooks / run_times.FILE.name, ran, whole)
+    print(f"recorded the run times of {len(ran)} lectures" + (" and of the whole build" if whole else "")
+          + f" in {notebooks / run_times.FILE.name}")
 
 
 def save_chapter_figures(notebooks: Path, cache: Path, target: Path) -> list[Path]:

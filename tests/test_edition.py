@@ -11,7 +11,7 @@ from unittest import mock
 import nbformat
 import pytest
 
-from spike_course import edition
+from spike_course import edition, run_times
 
 pytestmark = pytest.mark.processes  # most tests here start ranks, torchrun or kernels
 
@@ -60,7 +60,8 @@ def site(tmp_path_factory):
     _lecture(root / "notebooks" / "02_broken.ipynb", "02 · Broken", "open('fixed.txt').read()")
     _lecture(root / "notebooks" / "03_widget.ipynb", "03 · Widget", WIDGET)
     # As from a cluster shell, which often exports MPLBACKEND=Agg: the figure must still show.
-    with mock.patch.dict(os.environ, {"MPLBACKEND": "Agg"}):
+    # and asked to record the run times, as make run-times does
+    with mock.patch.dict(os.environ, {"MPLBACKEND": "Agg", run_times.RECORD_ENV: "1"}):
         failed = edition.build_site(root / "notebooks", root / "html", root / "work")
     return root, failed
 
@@ -69,6 +70,17 @@ def test_lectures_run_in_their_own_folder_and_a_failure_is_reported(site):
     root, failed = site
     assert failed == ["notebooks/02_broken"]
     assert (root / "notebooks" / "here.txt").exists()
+
+
+def test_the_lectures_it_ran_are_recorded_with_the_machine(site):
+    """The lectures that passed, each with its time and this machine; not the build's own
+    time, as one lecture failed (a later build that takes the others from the cache records
+    only what it runs)."""
+    root, _ = site
+    data = run_times.load(root / "notebooks" / "run_times.json")
+    assert sorted(data["lectures"]) == ["00_first", "01_second", "03_widget"]
+    assert all(0 < e["seconds"] < 120 and e["machine"] == run_times.machine() for e in data["lectures"].values())
+    assert data["builds"] == {}
 
 
 def test_index_lists_the_chapters_in_order_with_run_times(site):
@@ -105,8 +117,11 @@ def test_a_second_build_comes_from_the_cache_and_retries_the_failure(site):
     (root / "notebooks" / "fixed.txt").write_text("x")
     # Sphinx reads a changed notebook again; its code did not change, so it is not run.
     (root / "notebooks" / "00_first.ipynb").touch()
-    assert edition.build_site(root / "notebooks", root / "html", root / "work") == []
+    with mock.patch.dict(os.environ, {run_times.RECORD_ENV: "1"}):
+        assert edition.build_site(root / "notebooks", root / "html", root / "work") == []
     assert not (root / "notebooks" / "here.txt").exists()
+    assert sorted(run_times.load(root / "notebooks" / "run_times.json")["lectures"]) == [
+        "00_first", "01_second", "02_broken", "03_widget"]
 
 
 def test_a_formula_renders_with_the_network_off(site):
