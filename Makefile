@@ -11,7 +11,27 @@ LAB_PORT ?= 8888
 PYTHON_VERSION = import sys; print("%d.%d" % sys.version_info[:2])
 SUPPORTED      = 3.11 3.12 3.13
 
-.PHONY: lab test quick exercises html workers gpu-check flakiness clean FORCE
+# The Pythons on this machine, for a PYTHON= that names none or an unsupported one: those on
+# PATH, pyenv's versions (its shims answer only for the version pyenv has active) and the
+# usual system folders; each that runs, once, with its version.
+FIND_PYTHONS = seen=" "; \
+	for p in $$(IFS=:; for d in $$PATH; do ls -d "$$d"/python3.[0-9]* 2>/dev/null; done) \
+	         $${PYENV_ROOT:-$$HOME/.pyenv}/versions/*/bin/python3 /usr/bin/python3.* /usr/local/bin/python3.* \
+	         /opt/homebrew/bin/python3.*; do \
+	  case "$$p" in *-config|*[!0-9]) continue;; esac; \
+	  real=$$(readlink -f "$$p" 2>/dev/null || echo "$$p"); \
+	  case "$$seen" in *" $$real "*) continue;; esac; seen="$$seen$$real "; \
+	  v=$$("$$p" -c '$(PYTHON_VERSION)' 2>/dev/null) || continue; \
+	  case " $(SUPPORTED) " in *" $$v "*) echo "  $$p  (Python $$v)";; *) echo "  $$p  (Python $$v, not supported)";; esac; \
+	done
+NAME_ONE = found=$$($(FIND_PYTHONS)); echo "Pythons found here:"; echo "$${found:-  none}"; \
+	supported=$$(echo "$$found" | grep -v -e "not supported" -e /shims/); \
+	wanted=$$(basename "$(PYTHON)" | sed -n 's/^python\(3\.[0-9][0-9]*\)$$/\1/p'); \
+	usable=$$( (echo "$$supported" | grep -F "(Python $$wanted)"; echo "$$supported") | head -n 1 | awk '{print $$1}'); \
+	if [ -n "$$usable" ]; then echo "name one by its full path: make $(MAKECMDGOALS) PYTHON=$$usable"; \
+	else echo "install Python 3.11, 3.12 or 3.13 (python.org, your package manager, or pyenv install 3.12), then name it: make $(MAKECMDGOALS) PYTHON=/path/to/python3.12"; fi
+
+.PHONY: lab test quick exercises html run-times workers gpu-check flakiness clean FORCE
 
 # Made again when pyproject.toml changes, when the last install did not finish, when .venv no
 # longer runs (the Python that made it was removed), and when PYTHON= on the command line
@@ -29,8 +49,8 @@ ifneq ($(wildcard $(BIN)/spike-course),)
 endif
 
 $(BIN)/spike-course: pyproject.toml $(REMAKE_VENV)
-	@version=$$($(PYTHON) -c '$(PYTHON_VERSION)') || { echo "no $(PYTHON) here: install Python 3.11, 3.12 or 3.13, or name one: make $(MAKECMDGOALS) PYTHON=python3.12"; exit 1; }; \
-	case " $(SUPPORTED) " in *" $$version "*) ;; *) echo "$(PYTHON) is Python $$version; the course needs 3.11, 3.12 or 3.13 (the pinned torch has wheels for those): make $(MAKECMDGOALS) PYTHON=python3.12"; exit 1;; esac; \
+	@version=$$($(PYTHON) -c '$(PYTHON_VERSION)' 2>/dev/null) || { echo "no $(PYTHON) runs here (not on PATH, or a pyenv shim for a version pyenv has not made active)"; $(NAME_ONE); exit 1; }; \
+	case " $(SUPPORTED) " in *" $$version "*) ;; *) echo "$(PYTHON) is Python $$version; the course needs 3.11, 3.12 or 3.13 (the pinned torch has wheels for those)"; $(NAME_ONE); exit 1;; esac; \
 	if [ -e $(VENV) ]; then \
 	  made="$(VENV_VERSION)"; \
 	  if [ -z "$$made" ]; then \
@@ -68,6 +88,14 @@ quick: $(BIN)/spike-course
 html: $(BIN)/spike-course
 	$(BIN)/spike-course html --out _build/html
 	@echo "open _build/html/index.html"
+
+# The README's run times, measured: every lecture executed afresh by make html (the cache
+# emptied first; about 10 minutes on 2 cores), recorded in notebooks/run_times.json with the
+# machine, then written into README.md. pytest's time: SPIKE_COURSE_RECORD_RUN_TIMES=1 make test.
+run-times: $(BIN)/spike-course
+	rm -rf _build/edition
+	SPIKE_COURSE_RECORD_RUN_TIMES=1 $(BIN)/spike-course html --out _build/html
+	$(BIN)/spike-course run-times
 
 # Every chapter's worker scripts in one folder, to copy to the cluster (no notebook runs).
 workers: $(BIN)/spike-course

@@ -1,10 +1,11 @@
-"""The ``spike-course`` command: lab, doctor, exercises, run, grade, html, workers, gpu-check.
+"""The ``spike-course`` command: lab, doctor, exercises, run, grade, html, run-times, workers, gpu-check.
 
     spike-course lab [--ip 127.0.0.1] [--port 8888]   JupyterLab on the course, token on
     spike-course doctor                               what this machine can do for the course
     spike-course exercises [--check] [--force]        write exercises/ from solutions/, keeping your work
     spike-course run NOTEBOOK [-o OUT]                execute a notebook headless, keep the copy
     spike-course html [--out _build/html]             the rendered edition, a Sphinx site
+    spike-course run-times [--check]                  the README's run times, from notebooks/run_times.json
     spike-course grade NOTEBOOK...                    run learners' exercise notebooks' checks
     spike-course workers [--out DIR] [--from exercises/]  worker scripts for torchrun on a node
     spike-course gpu-check [NAME...]                  run lectures and solutions here, tabulate
@@ -221,6 +222,22 @@ def cmd_html(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_run_times(args) -> int:
+    from . import run_times
+
+    root = course_root()
+    readme, data = root / "README.md", run_times.load(root / run_times.FILE)
+    if args.check:
+        problems = run_times.disagreements(readme.read_text(), data)
+        print("\n".join(problems) or f"README.md states the run times of {run_times.FILE}")
+        return 1 if problems else 0
+    text, unknown = run_times.rewrite(readme.read_text(), data)
+    readme.write_text(text)
+    print(f"README.md: run times written from {run_times.FILE}"
+          + (f"; measured by nothing yet: {', '.join(unknown)}" if unknown else ""))
+    return 1 if unknown else 0
+
+
 def cmd_workers(args) -> int:
     from .workers import export, unanswered
 
@@ -316,6 +333,9 @@ def main(argv=None) -> int:
     html.add_argument("--out", default="_build/html")
     html.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     html.set_defaults(func=cmd_html)
+    times = commands.add_parser("run-times", help="write the README's run times from notebooks/run_times.json")
+    times.add_argument("--check", action="store_true", help="only say where the README disagrees with the file")
+    times.set_defaults(func=cmd_run_times)
     workers = commands.add_parser("workers", help="write every chapter's worker scripts to a folder")
     workers.add_argument("--out", default="cluster_workers")
     workers.add_argument("--from", dest="sources", nargs="+", metavar="NOTEBOOK_OR_FOLDER",

@@ -3,7 +3,8 @@
 ``load_mnist(root, train, limit)`` returns a Dataset of ``(1x28x28 float tensor, int label)``
 normalised like PyTorch's MNIST example. It uses torchvision's MNIST when the files are
 under ``root`` or can be downloaded within a few seconds. Otherwise (an offline laptop,
-a cluster node without internet, CI) it says so in one line and returns synthetic
+a cluster node without internet, CI) it says so in one line (once per notebook kernel, its
+launched ranks included; once per job under torchrun) and returns synthetic
 digits of the same shape: handwriting-like strokes of several styles plus a printed
 font, each randomly scaled, rotated, sheared, moved and thickened, with noise. The
 set is deterministic (sample i is always the same image, whatever ``limit`` is), and
@@ -26,7 +27,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch.utils.data import Dataset, Subset
 
-from .protocol import write_atomically
+from .protocol import DATA_FALLBACK_SAID_ENV, write_atomically
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 SYNTHETIC_SIZES = {True: 60_000, False: 10_000}  # the sizes of MNIST's train and test sets
@@ -145,8 +146,13 @@ def mnist_transform():
     return transforms.Compose([transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
 
 
-def _say(message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # one line per job, not one per rank
+def _say_once(message: str) -> None:
+    """Print ``message`` on rank 0 (one line per job, not one per rank), unless this process,
+    or the kernel that launched it, already did."""
+    if os.environ.get(DATA_FALLBACK_SAID_ENV):
+        return
+    os.environ[DATA_FALLBACK_SAID_ENV] = "1"
+    if os.environ.get("RANK", "0") == "0":
         print(message, flush=True)
 
 
@@ -232,7 +238,7 @@ def load_mnist(root: str = "data", train: bool = True, limit: int | None = None)
                 if choice == "mnist":
                     raise RuntimeError(f"MNIST is not under {root}/ and could not be downloaded ({reason}); "
                                        "unset SPIKE_COURSE_DATA to fall back to synthetic digits") from None
-                _say(f"MNIST not found under {root}/ and not downloadable ({reason}): "
+                _say_once(f"MNIST not found under {root}/ and not downloadable ({reason}): "
                      f"using synthetic digits of the same shape. To use MNIST, put it in {WHERE_MNIST_GOES}.")
     if dataset is None:
         return SyntheticDigits(train=train, size=limit, cache_dir=os.path.join(root, "synthetic"))

@@ -11,21 +11,32 @@ its own folder (as in JupyterLab: its worker scripts land in ``notebooks/workers
 
 Executed notebooks are kept in a jupyter-cache under ``WORK/jupyter_cache``: a lecture
 runs again only when one of its code cells changed (or its last run failed).
+
+The maths is typeset by MathJax served from the site itself (``_static/mathjax/``, the copy
+that the Jupyter project ships as ``jupyter-server-mathjax``), not from a CDN: the edition
+is read in workshop rooms and on clusters' login nodes, offline.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from unittest import mock
 
+from . import run_times
+from .headless import private_kernels
 from .notebook import describe_devices
+from .widget_pages import show_widgets_drawn
 
 CONF = {
     "project": "spike-course",
     "html_title": "Distributed PyTorch on (fractions of) GPUs",
     "extensions": ["myst_nb"],
     "html_theme": "sphinx_book_theme",
+    # One search box, the sidebar's: the pydata theme underneath would add a second one in a
+    # header bar of its own (sphinx-book-theme's empty default for it no longer reaches it).
+    "html_theme_options": {"navbar_persistent": []},
     "myst_enable_extensions": ["dollarmath"],  # $m$ in markdown cells, as JupyterLab shows it
     # index.md and the lectures; not the workers, data or figures the notebooks write.
     "include_patterns": ["index.md", "notebooks/[0-9][0-9]_*.ipynb"],
@@ -34,6 +45,17 @@ CONF = {
     "nb_execution_show_tb": True,   # a failing cell's traceback goes into the build log
     # %%writefile cells hold C or shell that the ipython3 highlighter cannot lex: harmless.
     "suppress_warnings": ["misc.highlighting_failure"],
+    # MathJax 2 from _static/mathjax/ (see mathjax_folder). myst marks the pages' text
+    # tex2jax_ignore and its formulas "math": typeset those only, as \( \) and \[ \] (the
+    # delimiters Sphinx writes), in the web font the package ships (no image fonts there).
+    # Widgets are drawn once on the page (widget_pages), with no ipywidgets script from a CDN.
+    "nb_ipywidgets_js": {},
+    "mathjax_path": "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full",
+    "mathjax2_config": {
+        "tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]],
+                    "processClass": "math", "ignoreClass": "tex2jax_ignore"},
+        "HTML-CSS": {"availableFonts": [], "preferredFont": None, "webFont": "STIX-Web", "imageFont": None},
+    },
 }
 
 INDEX = """\
@@ -73,6 +95,18 @@ def write_source(notebooks: Path, source: Path) -> list[str]:
     return chapters
 
 
+def mathjax_folder(static: Path) -> Path:
+    """Link ``static/mathjax`` to the MathJax that jupyter-server-mathjax installs, so that
+    Sphinx copies it to the site's ``_static/mathjax/``; return ``static``."""
+    import jupyter_server_mathjax
+
+    static.mkdir(parents=True, exist_ok=True)
+    link = static / "mathjax"
+    link.unlink(missing_ok=True)
+    link.symlink_to(Path(jupyter_server_mathjax.__file__).parent / "static", target_is_directory=True)
+    return static
+
+
 def _exec_data(env, docname: str) -> dict:
     from myst_nb.sphinx_ import NbMetadataCollector
 
@@ -86,13 +120,15 @@ def build_site(notebooks: Path, out_dir: Path, work_dir: Path, timeout: int = 60
     from sphinx.util.docutils import docutils_namespace, patch_docutils
 
     chapters = write_source(notebooks, work_dir / "source")
-    conf = dict(CONF, nb_execution_timeout=timeout, nb_execution_cache_path=str(work_dir / "jupyter_cache"))
+    conf = dict(CONF, nb_execution_timeout=timeout, nb_execution_cache_path=str(work_dir / "jupyter_cache"),
+                html_static_path=[str(mathjax_folder(work_dir / "static"))])
     # As sphinx-build does: docutils' directives and roles registered for this build only.
     # Without MPLBACKEND the kernels myst-nb starts draw inline: a cluster shell's
     # MPLBACKEND=Agg would publish pages without figures (notebook.show_figures_inline does
     # the same for a learner's kernel).
     without_backend = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
-    with mock.patch.dict(os.environ, without_backend, clear=True), \
+    started = time.time()
+    with mock.patch.dict(os.environ, without_backend, clear=True), private_kernels(), \
             patch_docutils(work_dir / "source"), docutils_namespace():
         app = Sphinx(srcdir=work_dir / "source", confdir=None, outdir=out_dir, doctreedir=work_dir / "doctrees",
                      buildername="html", confoverrides=conf)
@@ -100,19 +136,39 @@ def build_site(notebooks: Path, out_dir: Path, work_dir: Path, timeout: int = 60
         # ask for it, so that the next build retries it instead of showing the old failure.
         app.connect("env-get-outdated", lambda app, env, *changes:
                     [doc for doc in chapters if _exec_data(env, doc).get("succeeded") is False])
+        app.connect("doctree-read", show_widgets_drawn)
         app.build()
 
+    failed = _say_how_each_ran(app.env, chapters)
+    if run_times.recording():
+        _record_run_times(app.env, chapters, notebooks, started)
+    figures = save_chapter_figures(notebooks, work_dir / "jupyter_cache", out_dir / "figures")
+    print(f"wrote {out_dir / 'index.html'} and {len(figures)} chapter figures in {out_dir / 'figures'}")
+    return failed
+
+
+def _say_how_each_ran(env, chapters) -> list[str]:
+    """Print each chapter's run time, or its failure; return the chapters that failed."""
     failed = []
     for doc in chapters:
-        data = _exec_data(app.env, doc)
+        data = _exec_data(env, doc)
         if data.get("succeeded"):
             print(f"{doc}: {data['runtime']:.0f} s")
         else:
             print(f"{doc}: FAILED {data.get('error') or 'not executed'} (traceback in the log above)")
             failed.append(doc)
-    figures = save_chapter_figures(notebooks, work_dir / "jupyter_cache", out_dir / "figures")
-    print(f"wrote {out_dir / 'index.html'} and {len(figures)} chapter figures in {out_dir / 'figures'}")
     return failed
+
+
+def _record_run_times(env, chapters, notebooks: Path, started: float) -> None:
+    """Record in ``notebooks/run_times.json`` the lectures this build executed (not those from
+    the cache) and, when it executed every one of them, the build's own time."""
+    ran = {doc.split("/")[-1]: data["runtime"] for doc in chapters
+           if (data := _exec_data(env, doc)).get("succeeded") and data["mtime"] >= started}
+    whole = {"make html": time.time() - started} if len(ran) == len(chapters) else {}
+    run_times.record(notebooks / run_times.FILE.name, ran, whole)
+    print(f"recorded the run times of {len(ran)} lectures" + (" and of the whole build" if whole else "")
+          + f" in {notebooks / run_times.FILE.name}")
 
 
 def save_chapter_figures(notebooks: Path, cache: Path, target: Path) -> list[Path]:

@@ -1,15 +1,43 @@
 """Run a notebook headless, as "Run all" would: one place for the nbclient set-up that
-``spike-course run``, ``grade`` and ``gpu-check`` share."""
+``spike-course run``, ``grade`` and ``gpu-check`` share, and for the private kernels that
+``spike-course html`` starts too."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import nbformat
+
+
+def _listen_privately(kernel, sockets: str, name: str):
+    """Make ``kernel`` (a KernelManager not started yet) listen on sockets in the private
+    folder ``sockets``, not on TCP ports: ipykernel warns, once per kernel and in the middle of
+    whatever is being reported, that TCP carries the notebook unencrypted."""
+    kernel.transport, kernel.ip = "ipc", os.path.join(sockets, name)
+    return kernel
+
+
+@contextlib.contextmanager
+def private_kernels():
+    """Every kernel that nbclient starts inside this block (myst-nb's, through jupyter-cache,
+    which takes no kernel manager of ours) listens privately, as ``run_notebook``'s does."""
+    from nbclient import NotebookClient
+
+    create = NotebookClient.create_kernel_manager
+    numbers = itertools.count()
+    with tempfile.TemporaryDirectory(prefix="spike-course-kernels-") as sockets:
+        def create_private(client):
+            return _listen_privately(create(client), sockets, f"kernel-{next(numbers)}")
+
+        with mock.patch.object(NotebookClient, "create_kernel_manager", create_private):
+            yield
 
 
 @dataclass
@@ -29,9 +57,7 @@ def run_notebook(path, timeout: int = 600, allow_errors: bool = False, notebook=
     path = Path(path)
     notebook = notebook if notebook is not None else nbformat.read(path, as_version=4)
     with tempfile.TemporaryDirectory(prefix="spike-course-kernel-") as sockets:
-        # The kernel listens on sockets in a private folder, not on TCP ports: ipykernel warns,
-        # in the middle of grade's report, that TCP carries the notebook unencrypted.
-        kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
+        kernel = _listen_privately(KernelManager(kernel_name="python3"), sockets, "kernel")
         client = NotebookClient(notebook, km=kernel, timeout=timeout, allow_errors=allow_errors,
                                 resources={"metadata": {"path": str(path.parent)}})
         started = time.perf_counter()

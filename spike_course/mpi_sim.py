@@ -258,6 +258,12 @@ class World:
         """How many bytes each rank sent, in the last run."""
         return [sum(m.nbytes for m in self.trace if m.source == r) for r in range(self.size)]
 
+    def delivered(self) -> list:
+        """(Message, the object it carried) for every message of the last run, in the trace's
+        order: what a check reads to say which partial result went where."""
+        carried = [(e.delivered, pickle.loads(e.payload)) for e in self._envelopes if e.delivered]
+        return sorted(carried, key=lambda pair: (pair[0].send_time, pair[0].source, pair[0].dest, pair[0].tag))
+
     # ---- messages ---------------------------------------------------------------------
 
     def _check_peer(self, rank, peer, what):

@@ -22,6 +22,9 @@ PARENT_PID_ENV = "SPIKE_COURSE_PARENT_PID"          # the kernel: ranks exit whe
 COLLECTIVE_TIMEOUT_ENV = "SPIKE_COURSE_COLLECTIVE_TIMEOUT"  # seconds a collective may wait
 # Set by ``spike-course gpu-check`` only: a file every rank's setup() adds a JSON line to.
 PLACEMENT_LOG_ENV = "SPIKE_COURSE_PLACEMENT_LOG"
+# Set by ``data.load_mnist`` once it said it falls back to synthetic digits: the kernel's later
+# loads, and the ranks it launches afterwards (they inherit it), do not say it again.
+DATA_FALLBACK_SAID_ENV = "SPIKE_COURSE_DATA_FALLBACK_SAID"
 
 
 def write_atomically(path, data: bytes) -> None:

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from .protocol import DATA_FALLBACK_SAID_ENV
 from .warm_server import SERVER_THREAD_ENV, receive, send
 
 READY_TIMEOUT = 300  # seconds for a server to import torch on a loaded 2-core machine
@@ -34,7 +35,8 @@ KEPT_SERVERS = 2     # one per environment in use (about 0.9 GB each); a third r
 # part of the server's identity: torch reads some of them when it is imported.
 NOT_READ_AT_IMPORT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "MASTER_PORT", "OMP_NUM_THREADS", "SPIKE_COURSE_RESULTS_DIR",
-                      "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK")
+                      "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK",
+                      DATA_FALLBACK_SAID_ENV)
 
 _servers: dict = {}
 _lock = threading.Lock()

@@ -1,6 +1,8 @@
 import contextlib
 import os
 import subprocess
+import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -11,6 +13,8 @@ from spike_course import warm
 os.environ.setdefault("SPIKE_COURSE_DATA", "synthetic")
 
 PROCESSES = "processes"  # the marker `make quick` leaves out
+STARTED = pytest.StashKey[float]()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(items):
@@ -18,6 +22,40 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(PROCESSES)
+
+
+def pytest_sessionstart(session):
+    session.config.stash[STARTED] = time.monotonic()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With SPIKE_COURSE_RECORD_RUN_TIMES=1, a whole run (every test path, nothing deselected)
+    that passed records its time in notebooks/run_times.json: the README states it."""
+    from spike_course import run_times
+
+    config = session.config
+    whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+             and not config.option.markexpr)
+    if run_times.recording() and whole and exitstatus == 0 and not hasattr(config, "workerinput"):
+        run_times.record(ROOT / run_times.FILE, builds={"pytest": time.monotonic() - config.stash[STARTED]},
+                         workers=config.getoption("numprocesses", None) or 1)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which notebooks the tests did not read as they are on disk: the tests read what git
+    stages (course_files), nbval runs the working tree. For a learner that is their own work;
+    for a maintainer, an edit that needs `git add` before the tests see it."""
+    import course_files
+
+    changed, untracked = course_files.differing()
+    if changed or untracked:
+        terminalreporter.section("notebooks read as git stages them")
+        for what, paths in (("cells differ from git's index", changed), ("not in git", untracked)):
+            if paths:
+                terminalreporter.write_line(f"{what}: {', '.join(paths)}")
+        terminalreporter.write_line("The tests read these as git stages them, your work aside (nbval runs the "
+                                    "lectures and solutions as they are on disk). A maintainer's edit needs "
+                                    "`git add` before every test reads it.")
 
 
 @pytest.hookimpl(wrapper=True)

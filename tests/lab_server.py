@@ -12,6 +12,8 @@ from pathlib import Path
 
 from spike_course.launcher import free_port, stop_process_tree
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "spike-course-test"
 
@@ -22,8 +24,8 @@ def running_lab(tmp_path, notebooks=(), env=None):
     yields (url, token). Its output goes nowhere, as under a JupyterHub: no terminal."""
     course = tmp_path / "course"
     (course / "notebooks").mkdir(parents=True)
-    for notebook in notebooks:
-        shutil.copy(ROOT / notebook, course / notebook)
+    for notebook in notebooks:  # as the course ships it, not as a learner saved it
+        course_files.copy_to(notebook, course / notebook)
     shutil.copy(ROOT / "pyproject.toml", course / "pyproject.toml")
     # Its own runtime and workspace folders: no other lab's open tabs come back in this one.
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from lab_server import running_lab
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 NOTEBOOK = "notebooks/00_welcome_and_setup.ipynb"
@@ -130,7 +132,7 @@ def _half_converted_capstone(path):
 
     from spike_course import exercises, workers
 
-    solution = nbformat.read(ROOT / "solutions" / f"{CAPSTONE}.ipynb", as_version=4)
+    solution = course_files.notebook(ROOT / "solutions" / f"{CAPSTONE}.ipynb")
     script = workers.worker_cells(solution)[f"{CAPSTONE}/train.py"]
     for old, new in [("contextlib.nullcontext() if last else ddp_model.no_sync()", "contextlib.nullcontext()"),
                      ("DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=256",

@@ -9,16 +9,17 @@ here), then a pretend GPU start (about 5 s): the GPU mistakes run only that seco
 
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from spike_course import exercises, workers
 from spike_course.checks import CheckFailed, capstone, check_capstone_job, check_capstone_submit
 from spike_course.runai import submit_command, torchrun_command
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "15_capstone_your_own_job"
-SOLUTION_NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
+SOLUTION_NOTEBOOK = course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb")
 SOLUTION = workers.worker_cells(SOLUTION_NOTEBOOK)[f"{STEM}/train.py"]
 SINGLE = workers.worker_cells(SOLUTION_NOTEBOOK)[f"{STEM}/single.py"]
 

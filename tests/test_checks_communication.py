@@ -11,7 +11,6 @@ import itertools
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 
@@ -19,8 +18,10 @@ from spike_course import costmodel, exercises
 from spike_course.checks import CheckFailed, check_dgx_prediction
 from spike_course.checks import communication as check
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = nbformat.read(ROOT / "solutions" / "08_communication_and_hardware.ipynb", as_version=4)
+NOTEBOOK = course_files.notebook(ROOT / "solutions" / "08_communication_and_hardware.ipynb")
 SOLUTION = "\n".join(cell.source for cell in NOTEBOOK.cells
                      if cell.cell_type == "code" and exercises.has_solution(cell))
 FIT, WORLD = (900e-6, 1 / 0.3e9), 2  # a laptop's gloo all-reduce: 900 us, 0.3 GB/s

@@ -8,7 +8,6 @@ launch per mistake, 2-4 seconds each."""
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
 
 import spike_course
@@ -16,9 +15,11 @@ from spike_course import exercises, workers
 from spike_course.checks import CheckFailed, check_ring_attention
 from planting import planted, written_file
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "12_context_and_expert_parallel"
-NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
+NOTEBOOK = course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb")
 HARNESS = workers.worker_cells(NOTEBOOK)[f"{STEM}/ring_check.py"]
 MERGE = written_file(NOTEBOOK, f"{STEM}/ring_merge.py")
 

@@ -5,7 +5,6 @@ launch of 2 ranks per mistake, 3-5 seconds each)."""
 import math
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +16,8 @@ from spike_course import checks, data, models
 from spike_course.checks import CheckFailed
 from spike_course.launcher import LaunchResult
 from planting import planted, written_file
+
+import course_files
 
 
 class GoodSampler(Sampler):
@@ -166,7 +167,7 @@ REBOUND = """\
 
 
 def _solution_worker() -> str:
-    notebook = nbformat.read(ROOT / "solutions" / "03_data_parallel.ipynb", as_version=4)
+    notebook = course_files.notebook(ROOT / "solutions" / "03_data_parallel.ipynb")
     cell = next(c.source for c in notebook.cells if c.source.startswith(f"%%writefile {FLAT_WORKER}"))
     return cell.split("\n", 1)[1]
 
@@ -279,7 +280,7 @@ NOTHING_RUN = '    return {"loss": 0.0, "accuracy": 0.0, "recall": [0.0] * num_c
 def _evaluation(*changes, region=None, start=BEGIN) -> str:
     """The solution's evaluate.py with ``changes`` (old, new) made in its solution region, or with
     the region from its line that starts with ``start`` to its end replaced by ``region``."""
-    source = written_file(nbformat.read(ROOT / "solutions" / "03_data_parallel.ipynb", as_version=4), EVALUATE)
+    source = written_file(course_files.notebook(ROOT / "solutions" / "03_data_parallel.ipynb"), EVALUATE)
     if region is not None:
         begin = source.index(start, source.index(BEGIN)) + (len(BEGIN) if start == BEGIN else 0)
         source = source[:begin] + region + source[source.index(END):]

@@ -11,7 +11,6 @@ import math
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 
@@ -21,8 +20,10 @@ from spike_course.checks import CheckFailed, check_fedavg
 from spike_course.checks.federated import U32, _combine
 from planting import planted, written_file
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = nbformat.read(ROOT / "solutions" / "09_federated_learning.ipynb", as_version=4)
+NOTEBOOK = course_files.notebook(ROOT / "solutions" / "09_federated_learning.ipynb")
 WORKER = written_file(NOTEBOOK, "09_federated_learning/fedavg_exercise.py")
 
 # --- reports built by hand: three sites, one round in which site 1 sat out ---

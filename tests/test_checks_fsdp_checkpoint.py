@@ -7,7 +7,6 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-import nbformat
 import pytest
 
 import spike_course
@@ -16,8 +15,10 @@ from spike_course.checks import CheckFailed
 
 from planting import written_file
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
-SOLUTION = nbformat.read(ROOT / "solutions" / "06_fully_sharded_data_parallel.ipynb", as_version=4)
+SOLUTION = course_files.notebook(ROOT / "solutions" / "06_fully_sharded_data_parallel.ipynb")
 SOURCE = written_file(SOLUTION, "06_fully_sharded_data_parallel/fsdp2_checkpoint.py")
 REGION = re.compile(r"[ \t]*### BEGIN SOLUTION\n.*?### END SOLUTION\n", re.S)
 FUNCTIONS = ("save", "resume", "batches")  # the solution regions, in the worker's order

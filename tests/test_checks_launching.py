@@ -12,12 +12,13 @@ import re
 import shutil
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from spike_course import launch
 from spike_course.checks import CheckFailed, check_resharded_resume
 from spike_course.launcher import LaunchError
+
+import course_files
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = "workers/07_launching_at_scale/reshape.py"
@@ -27,7 +28,7 @@ REGION = re.compile(r"^[ \t]*### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION\n", 
 
 
 def solution_worker() -> str:
-    notebook = nbformat.read(ROOT / "solutions" / "07_launching_at_scale.ipynb", as_version=4)
+    notebook = course_files.notebook(ROOT / "solutions" / "07_launching_at_scale.ipynb")
     cell = next(c.source for c in notebook.cells if c.source.startswith(f"%%writefile {WORKER}"))
     return cell.split("\n", 1)[1] + "\n"
 

@@ -11,7 +11,6 @@ import re
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,10 +19,12 @@ from spike_course import costmodel, launch, widgets, workers
 from spike_course.checks import CheckFailed, check_fits_budget, check_peak_prediction
 from spike_course.models import TinyTransformer
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "11_making_a_model_fit"
-SOLUTION = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
-LECTURE = nbformat.read(ROOT / "notebooks" / f"{STEM}.ipynb", as_version=4)
+SOLUTION = course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb")
+LECTURE = course_files.notebook(ROOT / "notebooks" / f"{STEM}.ipynb")
 SCRIPTS = workers.worker_cells(SOLUTION)
 TOOLS = SCRIPTS[f"{STEM}/memory_tools.py"]
 FIT = SCRIPTS[f"{STEM}/fit_budget.py"]

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from spike_course import checks
 from spike_course.models import Net, split_net
 
+import course_files
+
 M = 4
 
 
@@ -170,12 +172,10 @@ WHOLE_MODEL = '''def gpipe_step(stage, x, y, m):
 def test_gradients_from_a_whole_local_model_are_not_a_pipeline(worker, tmp_path):
     """The gradients are right (each rank computed them from the whole model and the whole
     batch, read from the file): only the schedule shows that nothing was pipelined."""
-    import nbformat
-
     from spike_course import launch, workers
 
     root = Path(__file__).resolve().parents[1]
-    notebook = nbformat.read(root / "solutions" / "04_pipeline_parallel.ipynb", as_version=4)
+    notebook = course_files.notebook(root / "solutions" / "04_pipeline_parallel.ipynb")
     source = workers.worker_cells(notebook)["04_pipeline_parallel/gpipe_by_hand.py"]
     start, end = source.index("def gpipe_step("), source.index("torch.manual_seed(0)\nstage = ")
     torch.manual_seed(1)

@@ -5,7 +5,6 @@ runs them all in ONE launch (a launch is 6-10 seconds)."""
 import copy
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 
@@ -14,9 +13,11 @@ from spike_course import workers
 from spike_course.checks import CheckFailed, check_pipeline_training
 from spike_course.data import load_mnist
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "04_pipeline_parallel"
-SOURCES = workers.worker_cells(nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4))
+SOURCES = workers.worker_cells(course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb"))
 FUNCTIONS, SCRIPT = SOURCES[f"{STEM}/pipeline_functions.py"], SOURCES[f"{STEM}/pipeline_epochs.py"]
 TRAIN, TEST = 128, 64
 

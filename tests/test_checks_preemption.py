@@ -10,7 +10,6 @@ launches, about 1 s, or 4 s when the mistake makes the job hang until the grace 
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
 
 import spike_course
@@ -18,9 +17,11 @@ from spike_course import exercises, workers
 from spike_course.checks import CheckFailed, check_preemption_safe
 from planting import planted, written_file
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "14_surviving_preemption"
-NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
+NOTEBOOK = course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb")
 CELLS = workers.worker_cells(NOTEBOOK)
 SAFE = written_file(NOTEBOOK, f"{STEM}/safe_train.py")
 STEPS = 30

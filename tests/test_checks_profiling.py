@@ -8,13 +8,14 @@ their real traces and dumps).
 
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from spike_course.checks import CheckFailed, check_hang_diagnosis, check_straggler
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
-CELLS = [c.source for c in nbformat.read(ROOT / "solutions" / "10_profiling_and_debugging.ipynb", as_version=4).cells
+CELLS = [c.source for c in course_files.notebook(ROOT / "solutions" / "10_profiling_and_debugging.ipynb").cells
          if c.cell_type == "code"]
 
 

@@ -8,14 +8,15 @@ no rank is started.
 
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from spike_course import costmodel, exercises
 from spike_course.checks import CheckFailed, check_job_plan
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = nbformat.read(ROOT / "solutions" / "13_sizing_a_job.ipynb", as_version=4)
+NOTEBOOK = course_files.notebook(ROOT / "solutions" / "13_sizing_a_job.ipynb")
 SOLUTION = next(cell.source for cell in NOTEBOOK.cells
                 if cell.cell_type == "code" and exercises.has_solution(cell))
 ANSWER = SOLUTION.split("\n\n\nplan = ")[0]  # the function alone, not the cell's call of it

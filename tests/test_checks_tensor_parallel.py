@@ -11,7 +11,6 @@ import re
 import textwrap
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import torch.nn as nn
@@ -20,9 +19,11 @@ import spike_course
 from spike_course import exercises, workers
 from spike_course.checks import CheckFailed, check_vocab_parallel_embedding
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "05_tensor_parallel"
-NOTEBOOK = nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4)
+NOTEBOOK = course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb")
 CHECK_SCRIPT = workers.worker_cells(NOTEBOOK)[f"{STEM}/check_embedding.py"]
 LAYER = next(c.source for c in NOTEBOOK.cells
              if c.source.startswith(f"%%writefile workers/{STEM}/vocab_parallel.py")).split("\n", 1)[1]

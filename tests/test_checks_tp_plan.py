@@ -8,16 +8,17 @@ launch runs them all (check_plan.py takes several plan modules): a launch is 6-1
 
 from pathlib import Path
 
-import nbformat
 import pytest
 
 import spike_course
 from spike_course import workers
 from spike_course.checks import CheckFailed, check_tp_plan
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "05_tensor_parallel"
-SOURCES = workers.worker_cells(nbformat.read(ROOT / "solutions" / f"{STEM}.ipynb", as_version=4))
+SOURCES = workers.worker_cells(course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb"))
 PLAN, CHECK_SCRIPT = SOURCES[f"{STEM}/tp_plan.py"], SOURCES[f"{STEM}/check_plan.py"]
 
 MISTAKES = {

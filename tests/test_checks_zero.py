@@ -5,6 +5,8 @@ import torch
 
 from spike_course.checks import CheckFailed, check_zero1
 
+import course_files
+
 TOTAL, WORLD = 10, 2
 DDP = torch.linspace(-1, 1, TOTAL)
 START = torch.zeros(TOTAL)  # the parameters before training
@@ -82,12 +84,10 @@ def test_the_worker_with_its_gradient_wiped_before_the_step_is_named(worker):
     """The mistake planted in a copy of the solution's worker and launched for real."""
     from pathlib import Path
 
-    import nbformat
-
     from spike_course import launch, workers
 
     root = Path(__file__).resolve().parents[1]
-    notebook = nbformat.read(root / "solutions" / "06_fully_sharded_data_parallel.ipynb", as_version=4)
+    notebook = course_files.notebook(root / "solutions" / "06_fully_sharded_data_parallel.ipynb")
     source = workers.worker_cells(notebook)["06_fully_sharded_data_parallel/zero1.py"]
     right = "    optimizer.step()\n    optimizer.zero_grad()\n"
     assert source.count(right) == 1

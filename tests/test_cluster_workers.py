@@ -18,6 +18,8 @@ from spike_course import launch, workers
 from spike_course.cluster_image import import_blocker
 from spike_course.protocol import COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV
 
+import course_files
+
 pytestmark = pytest.mark.processes  # most tests here start ranks, torchrun or kernels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +111,7 @@ def test_spike_course_workers_writes_every_chapter_with_its_run_line(tmp_path):
 
     assert main(["workers", "--out", str(tmp_path)]) == 0
     chapters = {p.parent.name for p in tmp_path.glob("*/*.py")}
-    lectures = {p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    lectures = {p.stem for p in course_files.tracked("notebooks", "[0-9][0-9]_*.ipynb")}
     # Every chapter writes Python workers (01 also a C program), except 13: its dry runs
     # happen in one process (the fake process group), before any job exists.
     assert chapters == lectures - {"13_sizing_a_job"}

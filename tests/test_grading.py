@@ -13,6 +13,8 @@ import pytest
 
 from spike_course import exercises, grading
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
 
 REFERENCE = "N = 3  # the course's setting"
@@ -83,8 +85,8 @@ def test_an_answer_that_borrows_the_checks_or_the_solutions_fails(answer):
 def test_the_answer_regions_of_every_course_exercise_come_back_whole():
     """Rebuilding the committed blank of each chapter with the solution's own answers gives
     back the solution's code: the rebuild takes exactly the answer regions, no more."""
-    for path in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
-        sol = nbformat.read(path, as_version=4)
+    for path in course_files.tracked("solutions", "[0-9][0-9]_*.ipynb"):
+        sol = course_files.notebook(path)
         blank = exercises.make_exercise(sol, path.name)
         for index, cell in enumerate(blank.cells):
             if exercises.has_solution(sol.cells[index]):

@@ -67,3 +67,29 @@ def test_python_named_on_the_command_line_replaces_a_venv_of_another_version(cou
     printed, commands = make_quick(course, f"PYTHON={fake_python(course / 'py313', '3.13')}")
     assert ".venv was made by Python 3.12" in printed and "is 3.13: removing .venv" in printed
     assert commands[0] == "-m venv .venv" and "-m pip install -e .[test]" in commands, commands
+
+
+def test_a_python_that_does_not_run_gets_the_installed_ones_listed(tmp_path):
+    """`make lab PYTHON=python3.12` where no python3.12 runs (pyenv's shim without that version
+    active, say) lists the Pythons that do run, from PATH and pyenv's versions, and names the
+    one asked for by its full path: not the command just typed."""
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    on_path = fake_python(tmp_path / "bin" / "python3.11", "3.11")
+    shim = tmp_path / "shims" / "python3.12"  # answers only for a version pyenv made active
+    shim.parent.mkdir()
+    shim.write_text("#!/bin/sh\necho 'pyenv: python3.12: command not found' >&2\nexit 127\n")
+    shim.chmod(0o755)
+    in_pyenv = fake_python(tmp_path / "pyenv" / "versions" / "3.12.1" / "bin" / "python3", "3.12")
+    too_old = fake_python(tmp_path / "pyenv" / "versions" / "3.9.18" / "bin" / "python3", "3.9")
+    env = {**os.environ, "PATH": f"{shim.parent}:{on_path.parent}:{os.environ['PATH']}",
+           "PYENV_ROOT": str(tmp_path / "pyenv")}
+    done = subprocess.run(["make", "lab", "PYTHON=python3.12"], cwd=tmp_path, capture_output=True, text=True,
+                          env=env)
+    assert done.returncode != 0
+    said = done.stdout
+    assert "no python3.12 runs here" in said, said
+    assert f"  {on_path}  (Python 3.11)" in said and f"  {in_pyenv}  (Python 3.12)" in said, said
+    assert f"  {too_old}  (Python 3.9, not supported)" in said and str(shim) not in said, said
+    assert f"name one by its full path: make lab PYTHON={in_pyenv}" in said, said
+    assert not (tmp_path / "log.txt").exists()  # nothing was installed

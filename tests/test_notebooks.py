@@ -6,25 +6,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 
+import course_files
+
 ROOT = Path(__file__).resolve().parents[1]
-ALL = sorted(p for folder in ("notebooks", "solutions", "exercises") for p in (ROOT / folder).glob("*.ipynb"))
+# As git holds them: a learner's saved outputs and answers in the working tree are not the course's.
+ALL = [p for folder in ("notebooks", "solutions", "exercises") for p in course_files.tracked(folder)]
 IDS = [f"{p.parent.name}/{p.stem}" for p in ALL]
 
 
 @pytest.mark.parametrize("path", ALL, ids=IDS)
 def test_committed_without_outputs(path):
-    notebook = nbformat.read(path, as_version=4)
+    notebook = course_files.notebook(path)
     dirty = [i for i, c in enumerate(notebook.cells)
              if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
-    assert not dirty, f"{path.name}: cells {dirty} carry outputs; run nbstripout on it"
+    assert not dirty, (f"{path.name} as git holds it: cells {dirty} carry outputs; commit it without "
+                       f"them: nbstripout {path.relative_to(ROOT)}, then git add")
 
 
 @pytest.mark.parametrize("path", ALL, ids=IDS)
 def test_first_code_cell_sets_up_the_chapter(path):
-    notebook = nbformat.read(path, as_version=4)
+    notebook = course_files.notebook(path)
     first = next(c for c in notebook.cells if c.cell_type == "code")
     assert re.search(rf'setup\((\w+ := )?"{path.stem}"', first.source), (
         f"{path.name}: the first code cell should call spike_course.notebook.setup(\"{path.stem}\")")
@@ -32,19 +35,33 @@ def test_first_code_cell_sets_up_the_chapter(path):
 
 @pytest.mark.parametrize("path", ALL, ids=IDS)
 def test_worker_scripts_go_to_the_chapter_folder(path):
-    notebook = nbformat.read(path, as_version=4)
+    notebook = course_files.notebook(path)
     for cell in notebook.cells:
         match = re.match(r"%%writefile\s+(\S+)", cell.source)
         if match:
             assert match.group(1).startswith(f"workers/{path.stem}/"), match.group(1)
 
 
+@pytest.mark.parametrize("path", course_files.tracked("notebooks", "[0-9][0-9]_*.ipynb"),
+                         ids=lambda p: p.stem)
+def test_numbered_sections_carry_their_chapters_number(path):
+    """From chapter 12 on a lecture numbers its sections "12.1", "12.2", ... (the edition's
+    contents and a learner's "see 14.2" then name one place); no lecture borrows another's number."""
+    chapter = int(path.stem[:2])
+    headings = [line for cell in course_files.notebook(path).cells if cell.cell_type == "markdown"
+                for line in cell.source.splitlines() if re.match(r"## \d", line)]
+    for heading in headings:
+        numbered = re.match(r"## (\d+)\.(\d+) ", heading)
+        assert numbered is None or int(numbered.group(1)) == chapter, heading
+        assert chapter < 12 or numbered, f"{path.name}: {heading!r} should read '## {chapter}.k ...'"
+
+
 def test_every_chapter_has_its_lecture_and_matching_exercise():
-    lectures = {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")}
-    solutions = {p.stem for p in (ROOT / "solutions").glob("*.ipynb")}
+    lectures = {p.stem for p in course_files.tracked("notebooks", "*.ipynb")}
+    solutions = {p.stem for p in course_files.tracked("solutions", "*.ipynb")}
     assert "00_welcome_and_setup" in lectures
     assert solutions <= lectures, f"solutions without a lecture: {solutions - lectures}"
-    assert {p.stem for p in (ROOT / "exercises").glob("*.ipynb")} == solutions
+    assert {p.stem for p in course_files.tracked("exercises", "*.ipynb")} == solutions
 
 
 @pytest.mark.processes
@@ -56,7 +73,7 @@ def test_what_a_notebook_imports_leaves_the_document_libraries_out():
     worker exporter)."""
     imports = set()
     for path in ALL:
-        for cell in nbformat.read(path, as_version=4).cells:
+        for cell in course_files.notebook(path).cells:
             if cell.cell_type != "code" or cell.source.startswith("%%"):
                 continue
             source = "\n".join(l for l in cell.source.splitlines() if not l.lstrip().startswith(("%", "!")))

@@ -26,10 +26,11 @@ import textwrap
 import tokenize
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from spike_course import exercises
+
+import course_files
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 0.20
@@ -112,13 +113,13 @@ def exercises_of(notebook, stem) -> dict[str, list[str]]:
 
 def measure() -> dict[str, tuple[int, int]]:
     """{exercise: (answer lines, of them on the page)}."""
-    lectures = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    lectures = course_files.tracked("notebooks", "[0-9][0-9]_*.ipynb")
     shares = {}
-    for solution in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
-        notebook = nbformat.read(solution, as_version=4)
+    for solution in course_files.tracked("solutions", "[0-9][0-9]_*.ipynb"):
+        notebook = course_files.notebook(solution)
         seen = page(notebook.cells)
         for lecture in (path for path in lectures if path.name <= solution.name):
-            seen |= page(nbformat.read(lecture, as_version=4).cells)
+            seen |= page(course_files.notebook(lecture).cells)
         for name, lines in exercises_of(notebook, solution.stem).items():
             shares[name] = (len(lines), sum(line in seen for line in lines))
     return shares

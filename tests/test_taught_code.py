@@ -12,9 +12,9 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-import nbformat
-
 import spike_course
+
+import course_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def exercise_answers() -> dict[str, str]:
     """{name: solution notebook} of every function or class a learner writes."""
     answers = {}
-    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
-        for cell in nbformat.read(path, as_version=4).cells:
+    for path in course_files.tracked("solutions", "*.ipynb"):
+        for cell in course_files.notebook(path).cells:
             if cell.cell_type != "code" or "### BEGIN SOLUTION" not in cell.source:
                 continue
             source = "\n".join(line for line in cell.source.splitlines() if not line.startswith("%"))

@@ -1,12 +1,13 @@
 """spike-course workers exports a learner's own notebooks too, with a README for the node."""
 
-import shutil
 from pathlib import Path
 
 import nbformat
 
 from spike_course import exercises
 from spike_course.cli import main
+
+import course_files
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPSTONE = "15_capstone_your_own_job"
@@ -15,8 +16,8 @@ CAPSTONE = "15_capstone_your_own_job"
 def test_a_learners_answers_are_exported_and_blanks_are_named(tmp_path, monkeypatch, capsys):
     mine = tmp_path / "my_exercises"
     mine.mkdir()
-    shutil.copy(ROOT / "exercises" / "02_distributed_sampling.ipynb", mine)  # not answered yet
-    shutil.copy(ROOT / "solutions" / f"{CAPSTONE}.ipynb", mine)  # answered (as the solution)
+    course_files.copy_to(ROOT / "exercises" / "02_distributed_sampling.ipynb", mine)  # not answered yet
+    course_files.copy_to(ROOT / "solutions" / f"{CAPSTONE}.ipynb", mine)  # answered (as the solution)
     monkeypatch.chdir(ROOT)
     assert main(["workers", "--from", str(mine), "--out", str(tmp_path / "out")]) == 0
     said = capsys.readouterr().out
@@ -30,9 +31,8 @@ def test_a_learners_answers_are_exported_and_blanks_are_named(tmp_path, monkeypa
 
 def test_an_exercise_left_blank_is_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
-    notebook = ROOT / "solutions" / f"{CAPSTONE}.ipynb"
     blank = tmp_path / f"{CAPSTONE}.ipynb"
-    nbformat.write(exercises.make_exercise(nbformat.read(notebook, as_version=4)), blank)
+    nbformat.write(exercises.make_exercise(course_files.notebook(ROOT / "solutions" / blank.name)), blank)
     assert main(["workers", "--from", str(blank), "--out", str(tmp_path / "out")]) == 0
     assert f"still the exercise's blank (they raise NotImplementedError): {CAPSTONE}/train.py" in capsys.readouterr().out
 
