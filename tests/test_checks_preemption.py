@@ -5,16 +5,22 @@ each classic mistake.
 Every mistake is planted in a copy of the solution's safe_train.py (a line of its solution
 region changed), written next to the exercise's own job_parts.py; the uninterrupted
 plain_train.py run is launched once for the module. One drill per mistake: a few 2-rank warm
-launches, about 1 s, or 4 s when the mistake makes the job hang until the grace period ends."""
+launches, about 1 s, or 4 s when the mistake makes the job hang until the grace period ends.
+
+What would go wrong only on a GPU node (a checkpoint without the GPU's generator state, a
+background save on a group without a CPU backend) is named from the probe's readings of the
+saves: here from readings as a GPU node records them, and from a real drill where there is a GPU."""
 
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import spike_course
 from spike_course import exercises, workers
-from spike_course.checks import CheckFailed, check_preemption_safe
+from spike_course.checks import CheckFailed, check_preemption_safe, preemption, preemption_probe
+from spike_course.checks._common import name_the_first
 from planting import planted, written_file
 
 import course_files
@@ -48,8 +54,12 @@ signal.signal(signal.SIGTERM, save_now)'''), r"hung inside a step.*started from 
     "rank_0_alone_decides": ((AGREE, "dist.broadcast(anyone, src=0)"),
                              r"only rank 1 received SIGTERM.*ignored that rank's flag \(rank 0 alone decided\?\)"),
     "each_rank_decides_alone": ((AGREE, "pass"), r"stopped at different steps.*decided to stop by itself"),
-    "rng_state_not_saved": (('torch.set_rng_state(saved[f"generator{ctx.rank}"])', "pass"),
+    "rng_state_not_saved": (('torch.set_rng_state(states["cpu"])', "pass"),
                             r"drew other random numbers than the uninterrupted run"),
+    "async_save_on_the_default_group": (
+        ("in_flight = dcp.async_save(everything, storage_writer=where(job.step), process_group=writer_group)",
+         "in_flight = dcp.async_save(everything, storage_writer=where(job.step))"),
+        r"dcp\.async_save ran on the default process group.*on a GPU node, where the default group is NCCL only"),
     "data_position_not_saved": (("itertools.islice(loader, skip, skip + args.steps - job.step)",
                                  "itertools.islice(loader, 0, args.steps - job.step)"),
                                 r"does not continue at the data position it stopped at"),
@@ -82,9 +92,66 @@ def drill(worker, source, reference):
 
 
 @pytest.mark.processes
-def test_the_solution_passes_the_drill(worker, no_orphans, reference, capsys):
+def test_the_solution_passes_the_drill(worker, no_orphans, reference, capsys, tmp_path):
     drill(worker, SAFE, reference)
     assert "the final weights equal the uninterrupted run's bit for bit" in capsys.readouterr().out
+    # What the probe saw of the last launch's saves: the background ones on a gloo group of the
+    # script's own, and every one holding the rank's generator states.
+    saves = preemption._saves(tmp_path / "drill" / "saves")
+    assert {s["call"] for s in saves} == {"async_save", "save"}
+    assert all(s["cpu_backend"] and s["cpu_generator"] for s in saves)
+    assert not any(s["default_group"] for s in saves if s["call"] == "async_save")
+    on_gpu = torch.cuda.is_available()
+    assert all(s["device"] == ("cuda" if on_gpu else "cpu") and s["gpu_generator"] is (True if on_gpu else None)
+               for s in saves)
+
+
+GPU_GENERATOR = 'states["cuda"] = torch.cuda.get_rng_state(ctx.device)'
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's generator exists on a GPU node only")
+def test_a_checkpoint_without_the_gpus_generator_is_named_on_a_gpu(worker, no_orphans, reference):
+    with pytest.raises(CheckFailed, match=r"does not hold that GPU's random generator state"):
+        drill(worker, planted(SAFE, (GPU_GENERATOR, "pass")), reference)
+
+
+# One reading of the probe per save, as a GPU node would record them: what a laptop cannot show.
+ON_A_GPU = {"call": "async_save", "default_group": False, "cpu_backend": True, "device": "cuda",
+            "cpu_generator": True, "gpu_generator": True}
+GPU_READINGS = {
+    "GPU generator not saved": ({"gpu_generator": False}, r"does not hold that GPU's random generator state.*Hint 5"),
+    "async save group without a CPU backend": ({"cpu_backend": False},
+                                                r"group without a CPU backend.*NCCL on a GPU node.*Hint 4"),
+    "async save on the default group": ({"default_group": True, "cpu_backend": False},
+                                        r"default process group.*A CPU backend must be enabled"),
+}
+
+
+def test_the_table_holds_the_gpu_mistakes():
+    assert set(GPU_READINGS) <= {m.name for m in preemption.SAVE_MISTAKES}
+
+
+@pytest.mark.parametrize("mistake", sorted(GPU_READINGS))
+def test_a_gpu_save_mistake_is_named_from_the_probes_readings(mistake):
+    change, message = GPU_READINGS[mistake]
+    name_the_first(preemption.SAVE_MISTAKES, [ON_A_GPU, ON_A_GPU])  # the solution's, on a GPU: nothing to name
+    with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
+        name_the_first(preemption.SAVE_MISTAKES, [ON_A_GPU, {**ON_A_GPU, **change}])
+
+
+def test_the_probe_finds_a_generator_state_anywhere_in_the_saved_state():
+    """The solution's state as DCP receives it, with a 16-byte CUDA generator state (seed and
+    offset) standing in for torch.cuda.get_rng_state(): found when it is there, and only then."""
+    gpu_state = torch.arange(16, dtype=torch.uint8)
+    state = {"job": {"step": 4, "weights": {"0.weight": torch.zeros(2, 2)},
+                     "generators1": {"cpu": torch.get_rng_state(), "cuda": gpu_state.clone()}},
+             "schedule": {"last_epoch": 4}}
+    assert preemption_probe._holds(state, gpu_state)
+    assert preemption_probe._holds(state, torch.get_rng_state())
+    del state["job"]["generators1"]["cuda"]
+    assert not preemption_probe._holds(state, gpu_state)
+    assert not preemption_probe._holds(state, torch.arange(1, 17, dtype=torch.uint8))  # another state
 
 
 @pytest.mark.processes

@@ -4,10 +4,13 @@
 real signals (SIGTERM with a grace period, then SIGKILL, as Kubernetes does; SIGKILL with no
 grace, as a lost node does) at random steps, relaunches the same command each time, and
 compares every step the runs trained, and the final weights, bit for bit with the
-uninterrupted run of the given plain script."""
+uninterrupted run of the given plain script. Its ranks run under ``preemption_probe.py``, which
+records each checkpoint save: the process group it used and the generator states it held, what
+would fail on a GPU node although the drill passes on a laptop."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -16,10 +19,45 @@ import threading
 import time
 from pathlib import Path
 
-from ._common import CheckFailed, first_failure, passed
+from ._common import CheckFailed, Mistake, first_failure, name_the_first, passed
 
 GRACE = 3.0  # seconds between SIGTERM and SIGKILL: a step and a save of this job take milliseconds
 PLANTED = "step_999999"  # the half-written folder the check leaves, as a SIGKILL mid-save would
+PROBE = Path(__file__).with_name("preemption_probe.py")
+
+
+def _async_saves(saves):
+    return [s for s in saves if s["call"] == "async_save"]
+
+
+# What the probe's readings of the saves (one dict per save, every rank) show.
+SAVE_MISTAKES = (
+    Mistake("async save on the default group",
+            lambda saves: any(s.get("default_group") for s in _async_saves(saves)),
+            "dcp.async_save ran on the default process group (no process_group given, or the default "
+            "group): its collectives, in a background thread, then mix with the training's all-reduces "
+            "on that group, and on a GPU node, where the default group is NCCL only, async_save stops at "
+            "once (\"A CPU backend must be enabled for async save\"). Give the save a group of its own "
+            "(Hint 4)."),
+    Mistake("async save group without a CPU backend",
+            lambda saves: any(s.get("cpu_backend") is False for s in _async_saves(saves)),
+            "dcp.async_save ran on a process group without a CPU backend (a new group inherits the "
+            "default group's backend: NCCL on a GPU node), and async_save asserts that its group has one "
+            "(\"A CPU backend must be enabled for async save\"). Create the save's group with a CPU "
+            "backend (Hint 4)."),
+    Mistake("GPU generator not saved",
+            lambda saves: any(s.get("device") == "cuda" and s.get("gpu_generator") is False for s in saves),
+            "a checkpoint saved by a rank that computes on a GPU does not hold that GPU's random generator "
+            "state: torch.get_rng_state() is the CPU generator's only, and dropout and randn_like of a CUDA "
+            "tensor draw from the GPU's. A resumed run would draw other numbers. Hint 5."),
+)
+
+
+def _saves(log: Path) -> list[dict]:
+    """The probe's readings of every save of one launch so far, all ranks (a line still being
+    written, without its newline, is left for the next reading)."""
+    return [json.loads(line) for path in sorted(log.glob("rank*.jsonl"))
+            for line in path.read_text().split("\n")[:-1]]
 
 
 def _beats(folder: Path, nproc: int) -> dict:
@@ -35,18 +73,20 @@ def _beats(folder: Path, nproc: int) -> dict:
 
 def _launch(script, args, at_step, sig, ranks, nproc, threads, work):
     """One launch with the drill: returns (job, beats when the signal went, beats at the end,
-    whether the grace period ran out)."""
+    whether the grace period ran out). A save the probe saw go wrong ends the launch at once
+    (on a laptop a background save on the default group can hang the job until its timeout)."""
     import spike_course
 
-    beats_dir = work / "heartbeat"
-    shutil.rmtree(beats_dir, ignore_errors=True)
-    beats_dir.mkdir(parents=True)
+    beats_dir, log = work / "heartbeat", work / "saves"
+    for folder in (beats_dir, log):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
     box = {}
     thread = threading.Thread(target=lambda: box.update(job=spike_course.launch(
-        script, nproc=nproc, omp_threads=threads, check=False, echo=False, progress=False, timeout=60,
-        args=[*args, "--ckpt-dir", work / "ckpt", "--heartbeat", beats_dir])))
+        PROBE, nproc=nproc, omp_threads=threads, check=False, echo=False, progress=False, timeout=60,
+        args=[log, script, *args, "--ckpt-dir", work / "ckpt", "--heartbeat", beats_dir])))
     thread.start()
-    sent, killed = None, False
+    sent, killed, wrong, read_at = None, False, False, 0.0
     while thread.is_alive():
         beats = _beats(beats_dir, nproc)
         if at_step is not None and sent is None and len(beats) == nproc \
@@ -56,14 +96,17 @@ def _launch(script, args, at_step, sig, ranks, nproc, threads, work):
                 os.kill(beats[rank][0], sig)
         if sent and not killed and time.monotonic() - sent[0] > GRACE:
             killed, last = True, _beats(beats_dir, nproc)
-            for pid, _ in sent[1].values():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _kill(sent[1])
+        if not wrong and time.monotonic() > read_at:
+            read_at = time.monotonic() + 0.02
+            wrong = any(mistake.seen(_saves(log)) for mistake in SAVE_MISTAKES)
+            if wrong:
+                _kill(beats)
         time.sleep(0.001)
     thread.join()
     job = box["job"]
+    _not_written(job)
+    name_the_first(SAVE_MISTAKES, _saves(log))
     _started(job, "launch")
     if at_step is not None and sent is None:
         raise CheckFailed(f"the job ended before it reached step {at_step}, so no signal could be sent: "
@@ -71,10 +114,22 @@ def _launch(script, args, at_step, sig, ranks, nproc, threads, work):
     return job, (sent[1] if sent else None), (last if killed else None), killed
 
 
-def _started(job, what):
+def _kill(beats: dict) -> None:
+    for pid, _ in beats.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _not_written(job):
     if "NotImplementedError" in "\n".join(line for lines in job.output.values() for line in lines):
         raise CheckFailed("safe_train.py is not written yet: a rank stopped at `raise NotImplementedError`. "
                           "Replace that line with your code and run the check again.")
+
+
+def _started(job, what):
+    _not_written(job)
     if job.timed_out:
         raise CheckFailed(f"the {what} did not finish within {job.seconds:.0f} s: a rank waited in a collective "
                           "that the other never entered.")
@@ -161,8 +216,8 @@ def _compare(reference, runs, final):
                 if got["noise"] != want["noise"]:
                     raise CheckFailed(
                         f"{where} drew other random numbers than the uninterrupted run (its input noise "
-                        "differs; dropout does too): each rank's random number generator must continue "
-                        "where it was. Hint 5.")
+                        "differs; dropout does too): each rank's random number generators (the CPU's, and "
+                        "on a GPU the GPU's) must continue where they were. Hint 5.")
                 if got["lr"] != want["lr"]:
                     raise CheckFailed(
                         f"{where} used learning rate {got['lr']:g}, the uninterrupted run {want['lr']:g}: the "
