@@ -4,7 +4,8 @@ each mistake planted in a copy of the solution.
 Each test takes the solution's train.py (the %%writefile cell of the solution notebook,
 without its solution markers), plants one mistake with string replacements and asserts the
 check's message. The check runs the job as 2 nodes with a crash and a restart (about 15 s
-here), then a pretend GPU start (about 5 s): the GPU mistakes run only that second part.
+here), then a pretend GPU start (2 nodes of 2 processes and 1 GPU, about 5 s): the GPU mistakes
+run only that second part.
 """
 
 from pathlib import Path
@@ -140,9 +141,15 @@ MISTAKES = {
 
 # Mistakes that only a GPU node shows: the check's pretend-GPU start names them.
 GPU_MISTAKES = {
-    "GPU from RANK": ([('device = torch.device("cuda", local_rank)', 'device = torch.device("cuda", rank)')],
-                      "torch.cuda.set_device got GPU 1"),
-    "device_ids from RANK": ([("device_ids=[device.index] if", "device_ids=[rank] if")], "DDP's device_ids got GPU 1"),
+    # rank 2 is LOCAL_RANK 0 of the second node
+    "GPU from RANK": ([('device = torch.device("cuda", local_rank % gpus)', 'device = torch.device("cuda", rank)')],
+                      "rank 2 is LOCAL_RANK 0 on its node, but torch.cuda.set_device got GPU 2"),
+    "device_ids from RANK": ([("device_ids=[device.index] if", "device_ids=[rank] if")],
+                             "rank 2 is LOCAL_RANK 0 on its node, but DDP's device_ids got GPU 2"),
+    "a GPU the node does not have": (
+        [('device = torch.device("cuda", local_rank % gpus)', 'device = torch.device("cuda", local_rank)')],
+        r"rank 1 \(LOCAL_RANK 1\) runs on a node with 1 GPU for 2 processes.*torch.cuda.set_device asked for "
+        r"GPU 1, which that node does not have"),
     "gloo on GPUs": ([('dist.init_process_group("nccl", device_id=device)', 'dist.init_process_group("gloo")')],
                      "still starts the gloo backend"),
     "no set_device": ([("        torch.cuda.set_device(device)  #", "        pass  #")], "never called torch.cuda.set_device"),
@@ -166,8 +173,7 @@ def test_each_gpu_mistake_is_named_on_pretend_gpus(tmp_path, name, no_orphans):
     folder.mkdir()
     capstone._write_data(folder / "data.pt")
     options = capstone._options(folder / "data.pt", folder / "checkpoint.pt", folder / "metrics.jsonl")
-    job = capstone.capstone_run.launch(plant(tmp_path, *changes), folder, options, data=folder / "data.pt",
-                                       probe_env={"CAPSTONE_FAKE_GPUS": "1"})
+    job = capstone.pretend_gpus(plant(tmp_path, *changes), folder, options, folder / "data.pt")
     with pytest.raises(CheckFailed, match=message):
         capstone._gpu_choices(job)
 

@@ -20,8 +20,9 @@ conversion is done, stopping at the first thing that is wrong:
    the scheduler restored, a new shuffle every epoch, the same data order as before the crash;
 7. the weights equal a replay of DDP's arithmetic on the batches the ranks recorded, bit for
    bit (so a correct answer with its own seed or epoch numbering passes: the replay follows it);
-8. on nodes with a GPU (pretended: the probe records the choices and stops at DDP), NCCL and
-   the GPU of LOCAL_RANK, in set_device, the model's placement and DDP's device_ids.
+8. on nodes with a GPU (pretended: one GPU for two processes per node, as under a Run:ai GPU
+   fraction; the probe records the choices and stops at DDP), NCCL and GPU LOCAL_RANK modulo
+   the node's GPUs, in set_device, the model's placement and DDP's device_ids.
 
 :func:`check_capstone_submit` checks the ``runai training pytorch submit`` line.
 """
@@ -562,27 +563,55 @@ def _closed(job):
 
 # --- 7. on nodes with GPUs ----------------------------------------------------------------------
 
+# The pretend GPU start: each node as if it had one GPU for its two processes, as a node does
+# where a job asks for fewer GPUs than processes (a Run:ai GPU fraction). RANK and LOCAL_RANK
+# still differ on the second node, and LOCAL_RANK alone would ask for a GPU that is not there.
+PRETEND_GPUS, PRETEND_PER_NODE = 1, 2
+PICKED_BY = {"set_device": "torch.cuda.set_device", "to": "the model's .to", "ddp": "DDP's device_ids"}
+
+
+def pretend_gpus(script, folder, options, data):
+    """Start the job on pretend GPUs: what each rank chooses is recorded, and the ranks leave
+    once the model is wrapped in DDP."""
+    return capstone_run.launch(script, folder, options, data=data, per_node=PRETEND_PER_NODE,
+                               probe_env={"CAPSTONE_FAKE_GPUS": str(PRETEND_GPUS)})
+
+
+def _picks(events) -> list[tuple[str, str]]:
+    """(how, which GPU) for each GPU the rank chose: set_device, the model's .to, DDP's device_ids."""
+    picks = [(e["kind"], e["index"]) for e in events if e["kind"] in ("set_device", "to")]
+    picks += [("ddp", d) for e in events if e["kind"] == "ddp" and isinstance(e["device_ids"], list)
+              for d in e["device_ids"]]
+    return [(kind, str(index).split(":")[-1]) for kind, index in picks if index is not None]
+
 
 def _gpu_choices(job):
-    """The choices recorded on pretend GPUs (one per node): NCCL, and LOCAL_RANK's GPU everywhere."""
-    for rank in range(WORLD):
-        events = job.of(rank, 0)
-        local = events[0]["local_rank"] if events else 0
-        init = [e for e in events if e["kind"] == "init"]
+    """The choices recorded on pretend GPUs: NCCL, and on each node GPU LOCAL_RANK % its GPUs."""
+    ranks = range(capstone_run.NODES * job.per_node)
+    local = {r: job.of(r, 0)[0]["local_rank"] if job.of(r, 0) else r % job.per_node for r in ranks}
+    for rank in ranks:
+        init = job.of(rank, 0, "init")
         if init and init[0]["backend"] not in (None, "nccl") and "nccl" not in (init[0]["backend"] or ""):
             _fail(job, f"on a node with GPUs rank {rank} still starts the {init[0]['backend']} backend: "
                        "gloo moves every gradient through the CPU; NCCL uses NVLink (hint 1).")
-        chosen = [(e["kind"], e["index"]) for e in events if e["kind"] in ("set_device", "to")]
-        chosen += [("ddp", d) for e in events if e["kind"] == "ddp" and isinstance(e["device_ids"], list)
-                   for d in e["device_ids"]]
-        wrong = [(kind, index) for kind, index in chosen
-                 if index is not None and str(index).split(":")[-1] != str(local)]
-        if wrong:
-            kind, index = wrong[0]
-            what = {"set_device": "torch.cuda.set_device", "to": "the model's .to", "ddp": "DDP's device_ids"}[kind]
-            _fail(job, f"rank {rank} is LOCAL_RANK {local} on its node, but {what} got GPU {index}: RANK "
-                       "counts over all nodes (8-15 on the second DGX node), a node's GPUs are numbered "
-                       "by LOCAL_RANK (hint 1).")
+    for rank in ranks:  # RANK first: it is the likelier cause of a GPU that is not there
+        for kind, index in _picks(job.of(rank, 0)):
+            if index == str(rank) != str(local[rank]):
+                _fail(job, f"rank {rank} is LOCAL_RANK {local[rank]} on its node, but {PICKED_BY[kind]} got GPU "
+                           f"{index}: RANK counts over all nodes (8-15 on the second DGX node), a node's GPUs are "
+                           "numbered by LOCAL_RANK (hint 1).")
+    for rank in ranks:
+        events = job.of(rank, 0)
+        expected = str(local[rank] % PRETEND_GPUS)
+        for kind, index in _picks(events):
+            if index.isdigit() and int(index) >= PRETEND_GPUS:
+                _fail(job, f"rank {rank} (LOCAL_RANK {local[rank]}) runs on a node with {PRETEND_GPUS} GPU for "
+                           f"{job.per_node} processes, as under a Run:ai GPU fraction, and {PICKED_BY[kind]} asked "
+                           f"for GPU {index}, which that node does not have: with fewer GPUs than processes, the "
+                           "processes share them (hint 1).")
+            if index != expected:
+                _fail(job, f"rank {rank} is LOCAL_RANK {local[rank]} on a node of {PRETEND_GPUS} GPU, but "
+                           f"{PICKED_BY[kind]} got GPU {index}: a node's GPUs are numbered by LOCAL_RANK (hint 1).")
         if not any(e["kind"] == "set_device" for e in events):
             _fail(job, f"rank {rank} never called torch.cuda.set_device: whatever is made on 'cuda' without "
                        "an index (NCCL's own buffers too) lands on GPU 0, so 8 ranks share it (hint 1).")
@@ -659,13 +688,13 @@ def check_capstone_job(script, folder) -> None:
     _metrics_logged(job, folder, epoch0, final, data)
     _closed(job)
 
-    on_gpus = capstone_run.launch(script, folder, options, data=data, probe_env={"CAPSTONE_FAKE_GPUS": "1"})
-    _gpu_choices(on_gpus)
+    _gpu_choices(pretend_gpus(script, folder, options, data))
     passed(f"your job ran as 2 nodes under bare torchrun: each rank trained on its own part with a "
            f"global batch of {GLOBAL_BATCH} and one all-reduce per optimizer step, rank 0 alone logged and "
            f"wrote the checkpoint (atomically, waited for), each of the {TEST_SAMPLES} test samples was "
            f"counted once, the job crashed, restarted and resumed exactly, its weights equal DDP's "
-           "arithmetic on its batches bit for bit, and on GPUs it would choose NCCL and LOCAL_RANK's GPU")
+           "arithmetic on its batches bit for bit, and on GPUs it would choose NCCL and LOCAL_RANK's GPU, "
+           "shared where a node has fewer GPUs than processes")
 
 
 def check_capstone_submit(line: str, script: str = "train.py", nodes: int = 2,

@@ -1,7 +1,7 @@
 """The capstone check's harness: the learner's script as a job of two nodes on this machine.
 
-Two torchrun agents (``--nnodes=2 --nproc-per-node=1``, a c10d rendezvous on localhost)
-start one rank each, so that RANK and LOCAL_RANK differ on the second node as they do on a
+Two torchrun agents (``--nnodes=2``, a c10d rendezvous on localhost) start one rank each (or
+``nproc_per_node``), so that RANK and LOCAL_RANK differ on the second node as they do on a
 cluster. Every Python they start loads ``capstone_probe.py`` as its ``sitecustomize``,
 after an import blocker: ``spike_course`` cannot be imported, as on the cluster. What the
 ranks did comes back as :class:`Job`: their recorded events, outputs and exit codes.
@@ -33,6 +33,7 @@ class Job:
     returncodes: list = field(default_factory=list)
     timed_out: bool = False
     folder: Path = Path(".")
+    per_node: int = 1  # ranks per node (torchrun's --nproc-per-node)
 
     def of(self, rank, attempt, kind=None) -> list[dict]:
         return [e for e in self.events.get((rank, attempt), []) if kind is None or e["kind"] == kind]
@@ -62,8 +63,8 @@ def _site(folder: Path) -> Path:
     return site
 
 
-def launch(script, folder, args, *, data, max_restarts=0, probe_env=None, watch=None) -> Job:
-    """Run ``script`` with ``args`` as a job of NODES nodes of one rank each, in ``folder``.
+def launch(script, folder, args, *, data, max_restarts=0, probe_env=None, watch=None, per_node=1) -> Job:
+    """Run ``script`` with ``args`` as a job of NODES nodes of ``per_node`` ranks each, in ``folder``.
     ``watch(job)`` is called with what the ranks recorded so far, four times a second while
     the job runs: an exception it raises stops the job and comes out of here."""
     from ..launcher import free_port, stop_process_tree
@@ -80,7 +81,7 @@ def launch(script, folder, args, *, data, max_restarts=0, probe_env=None, watch=
     env.update(PYTHONPATH=str(_site(folder)), CAPSTONE_LOG=str(calls), CAPSTONE_DATA=str(data),
                CAPSTONE_MODEL=MODEL_CLASS, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(probe_env or {}))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", "--nproc-per-node=1",
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--nproc-per-node={per_node}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=capstone",
                # An agent whose partner already left gives up after a minute, not torch's ten.
                "--rdzv-conf=join_timeout=60",
@@ -95,21 +96,22 @@ def launch(script, folder, args, *, data, max_restarts=0, probe_env=None, watch=
                 timed_out = True
                 break
             if watch is not None:
-                watch(_read(folder, agents, timed_out=False))
+                watch(_read(folder, agents, timed_out=False, per_node=per_node))
             time.sleep(0.25)
     finally:
         # torchrun puts its workers in their own session: stop the whole tree (a no-op once done).
         stop_process_tree(agents)
         for log in logs:
             log.close()
-    return _read(folder, agents, timed_out)
+    return _read(folder, agents, timed_out, per_node)
 
 
-def _read(folder, agents, timed_out) -> Job:
+def _read(folder, agents, timed_out, per_node) -> Job:
     """The job as its files tell it now: complete event lines only, and an empty list for an
     attempt that has started but recorded nothing yet."""
     job = Job(output="\n".join((folder / f"node{n}.log").read_text() for n in range(NODES)),
-              returncodes=[agent.poll() for agent in agents], timed_out=timed_out, folder=folder)
+              returncodes=[agent.poll() for agent in agents], timed_out=timed_out, folder=folder,
+              per_node=per_node)
     for path in sorted((folder / "calls").glob("rank*_attempt*.jsonl")):
         rank, attempt = (int(x) for x in re.findall(r"\d+", path.stem))
         events = job.events.setdefault((rank, attempt), [])
