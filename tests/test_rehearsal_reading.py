@@ -115,3 +115,16 @@ def test_a_line_it_cannot_read_gets_a_clear_error(text, problem):
 def test_a_slurm_script_is_refused_with_what_to_do_instead():
     with pytest.raises(ValueError, match="Slurm batch script.*torchrun --standalone"):
         rehearsal.read("#!/bin/bash\n#SBATCH --nodes=2\nsrun torchrun train.py\n")
+
+
+def test_every_run_line_of_the_exported_workers_readme_reads_clean(tmp_path):
+    from pathlib import Path
+
+    from spike_course import workers
+
+    workers.export(Path(__file__).resolve().parents[1], tmp_path)
+    lines = [line.strip().strip("`") for line in (tmp_path / "README.md").read_text().splitlines()
+             if line.strip().strip("`").startswith(("torchrun ", "exec torchrun ", "runai "))]
+    assert len(lines) >= 10, lines
+    for line in lines:
+        assert rehearsal.mistakes(rehearsal.read(line)) == [], line
