@@ -102,10 +102,13 @@ workers: $(BIN)/spike-course
 	$(BIN)/spike-course workers --out cluster_workers
 
 # On a GPU node: run every lecture and solution (or CHAPTERS="03 solutions/11"), print what
-# each notebook's ranks used (backend, device, GPU, precision), seconds and pass/fail.
+# each notebook's ranks used (backend, device, GPU, precision), seconds, and pass or every
+# failing cell. With 2 GPUs or more each notebook runs with a GPU per rank and with the ranks
+# sharing one (PLACEMENT=per-gpu or PLACEMENT=shared for one of them).
 # Not part of `make test` (CI has no GPU).
+PLACEMENT ?= auto
 gpu-check: $(BIN)/spike-course
-	$(BIN)/spike-course gpu-check $(CHAPTERS)
+	$(BIN)/spike-course gpu-check --placement $(PLACEMENT) $(CHAPTERS)
 
 # How often each chosen test fails in N runs: make flakiness RUNS=10 ITEMS="..."
 RUNS  ?= 10

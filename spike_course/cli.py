@@ -8,7 +8,7 @@
     spike-course run-times [--check]                  the README's run times, from notebooks/run_times.json
     spike-course grade NOTEBOOK...                    run learners' exercise notebooks' checks
     spike-course workers [--out DIR] [--from exercises/]  worker scripts for torchrun on a node
-    spike-course gpu-check [NAME...]                  run lectures and solutions here, tabulate
+    spike-course gpu-check [NAME...] [--placement auto|per-gpu|shared]  run lectures and solutions here, tabulate
 """
 
 from __future__ import annotations
@@ -263,21 +263,27 @@ def cmd_workers(args) -> int:
 
 
 def cmd_gpu_check(args) -> int:
-    from .gpu_check import execute, notebooks, table
+    from .gpu_check import execute, gpu_count, notebooks, placements, result, table
     from .notebook import describe_devices
 
     paths = notebooks(course_root(), args.names)
     if not paths:
         print(f"no lecture or solution matches {args.names}", file=sys.stderr)
         return 2
+    try:
+        runs = placements(args.placement, gpu_count())
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
     machine = describe_devices()
-    print(f"machine: {machine}", flush=True)
+    print(f"machine: {machine}; placements: {', '.join(runs)}", flush=True)
     rows = []
     for path in paths:
-        rows.append(execute(path, timeout=args.timeout))
-        row = rows[-1]
-        print(f"{row['notebook']}: {'pass' if row['ok'] else 'FAIL'} in {row['seconds']:.0f} s, "
-              f"ranks used {row['backend']} on {row['device']}", flush=True)
+        for placement in runs:
+            rows.append(execute(path, timeout=args.timeout, placement=placement))
+            row = rows[-1]
+            print(f"{row['notebook']} ({placement}): {result(row)} in {row['seconds']:.0f} s, "
+                  f"ranks used {row['backend']} on {row['device']}", flush=True)
     print(table(rows, machine))
     return 0 if all(row["ok"] for row in rows) else 1
 
@@ -345,6 +351,9 @@ def main(argv=None) -> int:
     gpu = commands.add_parser("gpu-check", help="run lectures and solutions, print a pass/fail table")
     gpu.add_argument("names", nargs="*", help="only notebooks whose path contains one of these")
     gpu.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    gpu.add_argument("--placement", choices=("auto", "per-gpu", "shared"), default="auto",
+                     help="per-gpu: every GPU visible, a rank per GPU; shared: one GPU, which the ranks "
+                          "share; auto (default): both, when there are 2 GPUs or more")
     gpu.set_defaults(func=cmd_gpu_check)
     rehearse = commands.add_parser(
         "rehearse", help="run a runai line (or torchrun command) here as the cluster would")

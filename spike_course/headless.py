@@ -67,10 +67,16 @@ def run_notebook(path, timeout: int = 600, allow_errors: bool = False, notebook=
         except Exception as failure:
             stopped = f"{type(failure).__name__}: {str(failure).strip().splitlines()[-1][:300]}"
         seconds = time.perf_counter() - started
-    error = stopped
+    failed = failing_cells(notebook)
+    error = failed[0] if failed and not allow_errors else stopped
+    return Run(notebook, seconds, error)
+
+
+def failing_cells(notebook) -> list[str]:
+    """"cell N: Name: message" for every code cell of an executed notebook that raised."""
+    found = []
     for index, cell in enumerate(notebook.cells):
         errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
-        if cell.cell_type == "code" and errors and not allow_errors:
-            error = f"cell {index}: {errors[0].ename}: {errors[0].evalue[:300]}"
-            break
-    return Run(notebook, seconds, error)
+        if cell.cell_type == "code" and errors:
+            found.append(f"cell {index}: {errors[0].ename}: {errors[0].evalue[:300]}")
+    return found

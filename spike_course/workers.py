@@ -7,12 +7,15 @@ own notebooks) and writes ``DIR/NN_topic/name.py`` as the cell has it, and
 ``DIR/README.md`` on how to run them on a GPU node. Every worker's docstring starts with
 the command that runs it, as nanoGPT's scripts do (``torchrun --standalone
 --nproc-per-node=2 03_data_parallel/train.py``; a module's names the script that imports
-it): the author writes it, nothing guesses it.
+it), and a demonstration that ends in an error on purpose says so in a line of its
+docstring that starts with ``Fails on purpose:``: the author writes both, nothing guesses them.
 """
 
 from __future__ import annotations
 
+import ast
 import re
+from itertools import groupby
 from pathlib import Path
 
 import nbformat
@@ -31,6 +34,7 @@ def worker_cells(notebook) -> dict[str, str]:
 
 
 MODULE = " imports this module"  # in a module's run line: the script that runs it
+FAILS = "Fails on purpose:"  # starts the docstring line of a worker whose run ends in an error
 
 
 def run_line(relative: str, source: str) -> str:
@@ -105,23 +109,86 @@ def unanswered(paths) -> list[Path]:
     return [path for path in paths if is_blank(path.read_text())]
 
 
+def fails_on_purpose(source: str) -> str | None:
+    """What a worker's docstring says of the error its run ends in on purpose, or None."""
+    docstring = ast.get_docstring(ast.parse(source)) or ""
+    paragraph = next((p for p in docstring.split("\n\n") if p.startswith(FAILS)), None)
+    return " ".join(paragraph[len(FAILS):].split()) if paragraph else None
+
+
 def node_readme(out: Path, written: list[Path]) -> str:
-    lines = [f"    {path.read_text().splitlines()[0][3:]}" for path in sorted(written)
-             if not is_blank(path.read_text()) and MODULE not in path.read_text().splitlines()[0]]
-    return README.format(runs="\n".join(lines))
+    """The README for the node: every runnable worker's own run line, by chapter, the ones
+    that fail on purpose marked and explained."""
+    runnable = {path.relative_to(out).as_posix(): path.read_text() for path in sorted(written)}
+    runnable = {name: source for name, source in runnable.items()
+                if not is_blank(source) and MODULE not in source.split("\n", 1)[0]}
+    blocks, failures = [], []
+    for _, names in groupby(runnable, key=lambda name: name.split("/")[0]):
+        lines = []
+        for name in names:
+            why = fails_on_purpose(runnable[name])
+            lines.append(f"    {runnable[name].split(chr(10), 1)[0][3:]}" + ("    # fails on purpose" if why else ""))
+            if why:
+                failures.append(f"- `{name}`: {why}")
+        blocks.append("\n".join(lines))
+    return README.format(runs="\n\n".join(blocks), failures="\n".join(failures))
 
 
 README = """# Worker scripts, ready for a GPU node
 
-Written by `spike-course workers`. Each script's first line says how it runs; run it from
-this folder, with the script's path as shown:
+Written by `spike-course workers`. Run every line below from this folder, the folder of this
+README: each line names its script by its path from here, and a script imports the helper
+modules next to it (`common.py`, ...) from its own folder. (The notebooks write the same
+scripts, under the same names, to `notebooks/workers/` when they run: the lines work from
+there too.)
+
+Each line is the first line of its script's docstring, written by its author, with the
+number of processes the script was written for. Keep that number: many scripts need exactly
+it (a pipeline of 2 stages, 2-way tensor parallelism, 3 federated clients, a 2 x 2 mesh of
+4 ranks) and stop, or fail, with another. Data-parallel training takes any number:
+`torchrun --standalone --nproc-per-node=8 03_data_parallel/train.py` uses the 8 GPUs of a
+DGX node. On a GPU node each process uses NCCL and a GPU of its own; with more processes
+than GPUs (a Run:ai GPU fraction) they share the GPUs, and `runtime.setup` sets
+`NCCL_MULTI_RANK_GPU_ENABLE=1`, without which the NCCL of torch 2.14.1 refuses that.
 
 {runs}
 
-On a DGX node (8 GPUs) give torchrun `--nproc-per-node=8`; a script then uses NCCL, one GPU
-per process. Copy this folder to your project volume first (a pod's own disk disappears
-with the pod), and build the `runai training pytorch submit` line with
-`spike_course.runai` (chapter 07 explains every flag).
+## Input files
+
+Some lines name a file that a notebook cell writes before it launches the script:
+
+- `--batch-file BATCH.pt` (chapter 04): one batch of digits, `(images, labels)`;
+- `--data-file DIGITS.pt` (chapter 04): `(train images, train labels, test images, test labels)`;
+- `--data ...` (chapter 15): the small file of tensors the capstone's check writes
+  (`15_capstone_your_own_job/capstone_check/data.pt`, once the check has run); leave `--data`
+  out to train on MNIST.
+
+This writes chapter 04's two files (from MNIST in `data/`, or the course's synthetic digits
+where MNIST is missing), as its notebooks do:
+
+    python - <<'EOF'
+    import torch
+    from spike_course.data import load_mnist
+    digits = load_mnist(limit=192)
+    images = torch.stack([digits[i][0] for i in range(192)])
+    labels = torch.tensor([digits[i][1] for i in range(192)])
+    torch.save((images[:64], labels[:64]), "04_pipeline_parallel/batch.pt")
+    torch.save((images[:128], labels[:128], images[128:], labels[128:]), "04_pipeline_parallel/digits.pt")
+    EOF
+
+and then, e.g., `--batch-file 04_pipeline_parallel/batch.pt`.
+
+## Demonstrations that fail on purpose
+
+The lines marked `# fails on purpose` end in an error: the error is what their chapter shows.
+
+{failures}
+
+## On the cluster
+
+Copy this folder to your project volume first (a pod's own disk disappears with the pod),
+and build the `runai training pytorch submit` line with `spike_course.runai` (chapter 07
+explains every flag).
 
 The scripts import `spike_course` (its `runtime`, `data` and `models` modules need only
 torch, torchvision and numpy): in a PyTorch image, `pip install --no-deps` the course folder,

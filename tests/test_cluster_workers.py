@@ -153,19 +153,58 @@ def test_the_line_must_name_the_worker_itself():
         workers.run_line("04_y/common.py", f'"""{module}\n"""')
 
 
-def test_gpu_check_names_the_first_failing_cell(tmp_path):
+def test_gpu_check_runs_on_and_names_every_failing_cell(tmp_path):
     import nbformat
 
     from spike_course.gpu_check import execute, table
 
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1"),
                                                nbformat.v4.new_code_cell("assert x == 2, 'x is not 2'"),
-                                               nbformat.v4.new_code_cell("y = 1 / 0")])
+                                               nbformat.v4.new_code_cell("y = 1 / 0"),
+                                               nbformat.v4.new_code_cell("z = x + 1"),
+                                               nbformat.v4.new_code_cell("assert z == 3, f'z is {z}'")])
     path = tmp_path / "broken.ipynb"
     nbformat.write(notebook, path)
     row = execute(path, timeout=60)
-    assert not row["ok"] and row["failure"] == "cell 1: AssertionError: x is not 2"
-    assert "FAIL cell 1: AssertionError" in table([row], "a laptop")
+    assert not row["ok"] and row["failures"] == ["cell 1: AssertionError: x is not 2",
+                                                 "cell 2: ZeroDivisionError: division by zero",
+                                                 "cell 4: AssertionError: z is 2"]
+    assert "FAIL cell 1: AssertionError: x is not 2; cell 2: ZeroDivisionError" in table([row], "a laptop")
+
+
+def test_gpu_check_places_the_ranks_both_ways_from_two_gpus(monkeypatch):
+    from spike_course.gpu_check import placement_env, placements
+
+    assert placements("auto", 0) == placements("shared", 0) == ["cpu"]
+    assert placements("auto", 1) == ["shared"]
+    assert placements("auto", 2) == placements("auto", 8) == ["per-gpu", "shared"]
+    assert placements("per-gpu", 8) == ["per-gpu"] and placements("shared", 8) == ["shared"]
+    with pytest.raises(ValueError, match="per-gpu needs 2 GPUs or more"):
+        placements("per-gpu", 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert placement_env("per-gpu") == {} and placement_env("shared") == {"CUDA_VISIBLE_DEVICES": "0"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # a node's share of GPUs: the first of them
+    assert placement_env("shared") == {"CUDA_VISIBLE_DEVICES": "2"}
+
+
+def test_gpu_check_on_two_gpus_runs_each_notebook_per_gpu_and_shared(tmp_path, monkeypatch, capsys):
+    """On a node with 2 GPUs (pretended here) every notebook runs twice, and the shared run's
+    kernel (so its ranks) sees one GPU only: the notebook's one cell says what it saw."""
+    import nbformat
+
+    from spike_course import gpu_check
+    from spike_course.cli import main
+
+    path = tmp_path / "03_visible.ipynb"
+    cell = "import os\nassert False, os.environ.get('CUDA_VISIBLE_DEVICES', 'every GPU')"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)]), path)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(gpu_check, "gpu_count", lambda: 2)
+    monkeypatch.setattr(gpu_check, "notebooks", lambda root, only: [path])
+    assert main(["gpu-check", "--timeout", "60"]) == 1
+    report = capsys.readouterr().out
+    assert "| per-gpu | 0 |" in report and "FAIL cell 0: AssertionError: every GPU |" in report
+    assert "| shared | 0 |" in report and "FAIL cell 0: AssertionError: 0 |" in report
 
 
 def test_gpu_check_reports_what_the_ranks_used_and_that_a_cpu_run_is_no_evidence(tmp_path):
@@ -181,7 +220,7 @@ def test_gpu_check_reports_what_the_ranks_used_and_that_a_cpu_run_is_no_evidence
     assert row["ok"], row["failure"]
     assert (row["ranks"], row["backend"], row["device"], row["gpu"]) == (3, "gloo", "cpu", "-")
     report = table([row], "a laptop")
-    assert "| notebook | ranks | backend | device | gpu | precision |" in report
+    assert "| notebook | placement | ranks | backend | device | gpu | precision |" in report
     assert "NOT GPU EVIDENCE" in report
     gpu_row = dict(row, backend="nccl", device="cuda:0 (shared)", gpu="NVIDIA H200")
     assert "NOT GPU EVIDENCE" not in table([gpu_row], "a GPU node")

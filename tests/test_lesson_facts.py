@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from spike_course import runtime
 
-ctx = runtime.setup()
+ctx = runtime.setup(device="cpu")  # gloo, also on a GPU node: the fact is gloo's
 mean = torch.tensor([float(ctx.rank + 1)], device=ctx.device)  # rank 0: 1.0, rank 1: 2.0
 dist.all_reduce(mean, op=dist.ReduceOp.AVG)
 # reduce-scatter: rank r keeps the mean of everyone's element r (FSDP2 averages gradients so)
@@ -58,21 +58,25 @@ model = torch.nn.Linear(3, 1, bias=False).to(ctx.device)  # weight (1, 3): dim 0
 fully_shard(model, mesh=init_device_mesh(ctx.device.type, (ctx.world_size,)))
 x = torch.tensor([[1.0, 2.0, 2.0]]).roll(ctx.rank, dims=1).to(ctx.device)
 model(x).sum().backward()  # d/dw of w.x is x: rank r's gradient is (1, 2, 2) rolled by r
-runtime.report(mine=x.cpu(), averaged=model.weight.grad.full_tensor().cpu())
+runtime.report(mine=x.cpu(), averaged=model.weight.grad.full_tensor().cpu(), backend=ctx.backend)
 runtime.teardown()
 '''
 
 
-def test_fsdp2_averages_float32_gradients_by_summing_first(tmp_path):
+def test_fsdp2_averages_float32_gradients_as_its_backend_averages(tmp_path):
+    """Chapter 11: gloo sums, then divides; on a GPU node NCCL scales each input by 1/3 in
+    float32, then sums (tests/test_backend_arithmetic.py replays it)."""
     script = tmp_path / "rs_order.py"
     script.write_text(RS_ORDER)
     result = launch(script, nproc=3, echo=False)
     g = [result.reports[r]["mine"] for r in range(3)]
     sum_then_divide = (g[0] + g[1] + g[2]) / 3
-    divide_then_sum = g[0] / 3 + g[1] / 3 + g[2] / 3
-    assert not torch.equal(sum_then_divide, divide_then_sum)  # the values tell the orders apart
+    third = torch.tensor(1 / 3)
+    scaled_then_sum = g[0] * third + g[1] * third + g[2] * third
+    assert not torch.equal(sum_then_divide, scaled_then_sum)  # the values tell the orders apart
+    expected = {"gloo": sum_then_divide, "nccl": scaled_then_sum}[result.reports[0]["backend"]]
     for rank in range(3):
-        assert torch.equal(result.reports[rank]["averaged"], sum_then_divide)
+        assert torch.equal(result.reports[rank]["averaged"], expected)
 
 
 def test_fsdp2_asks_for_avg_without_pre_or_post_divide_for_float32():

@@ -41,7 +41,7 @@ KEPT_NAMES = set(keyword.kwlist) | set(dir(builtins)) | {
     "checks", "spike_course", "dcp", "functools", "itertools"}
 # Exercises over the limit today, with the share measured when they were listed (issue 27).
 KNOWN_OVER = {
-    "15_capstone_your_own_job, exercise 1": 0.56,         # the API calls of 15.1-15.6: the decisions are where
+    "15_capstone_your_own_job, exercise 1": 0.62,         # the API calls of 15.1-15.6: the decisions are where
                                                           # they go in an unmarked script, and what else changes
 }
 

@@ -40,3 +40,61 @@ def test_an_exercise_left_blank_is_named(tmp_path, monkeypatch, capsys):
 def test_a_missing_source_is_named(tmp_path, capsys):
     assert main(["workers", "--from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 2
     assert "--from" in capsys.readouterr().err
+
+
+def exported(tmp_path):
+    from spike_course import workers
+
+    written = workers.export(ROOT, tmp_path)
+    return {p.relative_to(tmp_path).as_posix(): p.read_text() for p in written}, (tmp_path / "README.md").read_text()
+
+
+def test_the_readme_gives_each_worker_its_own_run_line_and_marks_the_failures(tmp_path):
+    from spike_course import workers
+
+    sources, readme = exported(tmp_path)
+    runs = [line.strip() for line in readme.splitlines() if line.startswith("    torchrun ")]
+    assert len({line.split()[2] for line in runs}) > 2  # processes as each worker needs, not one count for all
+    failing = sorted(name for name, source in sources.items() if workers.fails_on_purpose(source))
+    assert {"00_welcome_and_setup/crash.py", "01_message_passing/deadlock.py",
+            "10_profiling_and_debugging/hung_job.py"} <= set(failing)
+    for name, source in sources.items():
+        first = source.split("\n", 1)[0][3:]
+        if workers.MODULE in first:
+            continue
+        marked = f"    {first}    # fails on purpose"
+        assert (marked in readme) == (name in failing), name
+        if name in failing:
+            assert f"- `{name}`: {workers.fails_on_purpose(source)}" in readme
+
+
+def test_every_input_file_a_run_line_names_is_explained(tmp_path):
+    import re
+
+    _, readme = exported(tmp_path)
+    runs, explained = readme.split("## Input files")
+    named = set(re.findall(r"(--[\w-]+ (?:[A-Z]+\.pt|\.\.\.))", runs))
+    assert named == {"--batch-file BATCH.pt", "--data-file DIGITS.pt", "--data ..."}
+    assert all(f"`{option}`" in explained for option in named)
+
+
+def test_the_readmes_recipe_writes_the_files_chapter_04_writes(tmp_path, monkeypatch):
+    import re
+    import textwrap
+
+    import torch
+
+    from spike_course.data import load_mnist
+
+    _, readme = exported(tmp_path / "out")
+    recipe = textwrap.dedent(re.search(r"python - <<'EOF'\n(.*?)\n    EOF", readme, re.S).group(1))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPIKE_COURSE_DATA", "synthetic")
+    (tmp_path / "04_pipeline_parallel").mkdir()
+    exec(recipe, {})
+    images, labels = torch.load(tmp_path / "04_pipeline_parallel" / "batch.pt")
+    digits = load_mnist(limit=64)  # the lecture's batch.pt
+    assert torch.equal(images, torch.stack([digits[i][0] for i in range(64)]))
+    assert labels.tolist() == [digits[i][1] for i in range(64)]
+    train_x, train_y, test_x, test_y = torch.load(tmp_path / "04_pipeline_parallel" / "digits.pt")
+    assert (len(train_x), len(train_y), len(test_x), len(test_y)) == (128, 128, 64, 64)  # the solution's sizes
