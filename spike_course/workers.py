@@ -131,7 +131,18 @@ def node_readme(out: Path, written: list[Path]) -> str:
             if why:
                 failures.append(f"- `{name}`: {why}")
         blocks.append("\n".join(lines))
-    return README.format(runs="\n\n".join(blocks), failures="\n".join(failures))
+    return README.format(runs="\n\n".join(blocks), failures="\n".join(failures),
+                         two_nodes=_two_nodes_line())
+
+
+def _two_nodes_line() -> str:
+    """Chapter 03's training on two DGX nodes, as the cluster runs it (a test rehearses it)."""
+    from . import runai
+
+    return runai.submit_command(
+        "ddp-two-nodes", "registry.example.org/team/image:tag", "my-project",
+        "cd /data/cluster_workers; " + runai.torchrun_command("03_data_parallel/train.py", master=True),
+        gpus=8, workers=1, pvc="my-volume", cpu=56, memory="512G")
 
 
 README = """# Worker scripts, ready for a GPU node
@@ -188,7 +199,15 @@ The lines marked `# fails on purpose` end in an error: the error is what their c
 
 Copy this folder to your project volume first (a pod's own disk disappears with the pod),
 and build the `runai training pytorch submit` line with `spike_course.runai` (chapter 07
-explains every flag).
+explains every flag). Chapter 03's training on two DGX nodes (a master pod and one worker,
+8 GPUs each), with the folder copied to `/data/cluster_workers` on the volume:
+
+    {two_nodes}
+
+Note `exec` (Kubernetes' SIGTERM then reaches torchrun) and the master's address (torchrun
+never reads `MASTER_ADDR` itself). Before submitting a line of your own, run
+`spike-course rehearse 'LINE' --volume FOLDER` on your laptop: it runs the pods there as the
+cluster would and names what would go wrong (chapter 07, section 7.6).
 
 The scripts import `spike_course` (its `runtime`, `data` and `models` modules need only
 torch, torchvision and numpy): in a PyTorch image, `pip install --no-deps` the course folder,
