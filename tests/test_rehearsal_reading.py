@@ -133,3 +133,17 @@ def test_every_run_line_of_the_exported_workers_readme_reads_clean(tmp_path):
     assert len(lines) >= 10 and sum(line.startswith("runai ") for line in lines) == 1, lines
     for line in lines:
         assert rehearsal.mistakes(rehearsal.read(line)) == [], line
+
+
+def test_every_notebook_that_prints_a_runai_line_rehearses_it():
+    # nbval then runs rehearsal.ready on the lines, under both operators; the capstone's
+    # exercise line is rehearsed by its check
+    import course_files
+
+    printing = 0
+    for path in course_files.tracked("notebooks") + course_files.tracked("solutions"):
+        source = "\n".join(c.source for c in course_files.notebook(path).cells if c.cell_type == "code")
+        if "runai.submit_command(" in source:
+            printing += 1
+            assert "rehearsal.ready(" in source or "check_capstone_submit(" in source, path
+    assert printing >= 7   # 07, 08, 13, 14, 15 and the solutions of 13 and 15
