@@ -9,7 +9,6 @@ and which environment the operator (or Slurm) injects into it.
 
 from __future__ import annotations
 
-import math
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -50,11 +49,6 @@ class Job:
     mount: str | None = None        # the cluster path of the persistent volume (e.g. /data)
     flavour: str = "older"          # which operator release injects the environment
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def gpus_asked(self) -> int:
-        """GPUs the job holds: each pod's devices (a fraction counts as one device)."""
-        return sum(math.ceil(pod.gpus) for pod in self.pods)
 
 
 def read_job(text: str, flavour: str = "older") -> Job:
