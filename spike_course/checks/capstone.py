@@ -236,7 +236,7 @@ def _ran(job):
         _fail(job, f"your job failed under torchrun. The first error of a rank:\n{error[-2500:]}")
 
 
-def _one_writer(job):
+def _one_saver(job):
     for event in job.every("save"):
         if event["rank"] != 0:
             # With one process per node, every rank is LOCAL_RANK 0: both conditions read alike here.
@@ -244,15 +244,24 @@ def _one_writer(job):
                        f"{Path(event['path']).name} too: one process of the whole job writes, RANK 0 (not "
                        "every rank, and not LOCAL_RANK 0, which exists on every node). Two writers of one "
                        "file on the shared volume corrupt it (hint 3).")
+
+
+def _one_metrics_writer(job):
     metrics = str(job.folder / "metrics.jsonl")
     writers = sorted({e["rank"] for e in job.every("open") if e["path"] == metrics and e["rank"] != 0})
     if writers:
         _fail(job, f"rank(s) {writers} also appended to the metrics log, so every line appears once per "
                    "rank: only rank 0 logs (hint 3).")
+
+
+def _one_printer(job):
     talkers = sorted({rank for rank, _ in job.events if rank != 0 and _lines_printed(job, rank) > 0})
     if talkers:
         _fail(job, f"rank(s) {talkers} printed {_lines_printed(job, talkers[0])} lines: on a node of 8 GPUs "
                    "every log line would appear 8 times (16 on two nodes). Print on rank 0 only (hint 3).")
+
+
+ONE_WRITER = (_one_saver, _one_metrics_writer, _one_printer)
 
 
 # --- 2. training: the data, the batch, the gradients, the schedule -----------------------------
@@ -334,8 +343,17 @@ def _schedule(job, runs):
 
 
 def _checkpoint_written(job, checkpoint):
+    """The checkpoint rank 0 left, with plain keys and all a resume needs."""
     if not checkpoint.exists():
         _fail(job, f"no checkpoint at --checkpoint {checkpoint.name}: rank 0 must write it every epoch.")
+    state = _plain_keys(job, checkpoint)
+    missing = [k for k in ("model", "optimizer", "scheduler") if k not in state]
+    if missing:
+        _fail(job, f"the checkpoint lacks {missing}: a resumed run needs them to continue exactly.")
+    return state
+
+
+def _checkpoint_atomic(job, checkpoint):
     if any(e["path"] == str(checkpoint) for e in job.every("save")):
         _fail(job, "torch.save wrote straight to the checkpoint's path: a crash or a preemption in the "
                    "middle leaves half a file and loses the previous checkpoint too (hint 3).")
@@ -343,11 +361,6 @@ def _checkpoint_written(job, checkpoint):
         _fail(job, "the checkpoint was put in place without a rename (a copy, or a write to its path): "
                    "only a rename on the same file system is atomic, so a crash can leave half a "
                    "checkpoint (hint 3).")
-    state = _plain_keys(job, checkpoint)
-    missing = [k for k in ("model", "optimizer", "scheduler") if k not in state]
-    if missing:
-        _fail(job, f"the checkpoint lacks {missing}: a resumed run needs them to continue exactly.")
-    return state
 
 
 def _plain_keys(job, checkpoint):
@@ -445,10 +458,13 @@ def _new_shuffle_every_epoch(job, runs):
                        "same way every epoch unless it is told which epoch it is (hint 1).")
 
 
-def _resumed(job, checkpoint, before, after):
+def _restarted(job):
     if 1 not in job.attempts:
         _fail(job, f"the job was never restarted: the check crashes rank {CRASH_RANK} after {CRASH_AFTER} "
                    "optimizer steps, and torchrun restarts it. Did the job make that many steps?")
+
+
+def _loaded(job, checkpoint, before, after):
     for rank in range(WORLD):
         loads = [e for e in job.of(rank, 1, "load") if e["path"] == str(checkpoint)]
         if not loads:
@@ -458,11 +474,17 @@ def _resumed(job, checkpoint, before, after):
             _fail(job, "the checkpoint is loaded without map_location: on GPUs torch.load puts every "
                        "tensor back on the GPU that saved it, so all 8 ranks of a node load onto GPU 0 "
                        "(and run out of memory there). Load onto the rank's own device (hint 3).")
+
+
+def _optimizer_restored(job, checkpoint, before, after):
     first = after[0].steps[0] if after[0].steps else None
-    done = len(before[0].epoch(0))
     if first is not None and not first["had_state"]:
         _fail(job, "after the restart the optimizer started without its state (AdamW's moments): it "
                    "was not restored from the checkpoint, so the resumed run takes other steps.")
+
+
+def _scheduler_restored(job, checkpoint, before, after):
+    done = len(before[0].epoch(0))
     for i, step in enumerate(after[0].steps):
         if not math.isclose(step["lr"], _learning_rate(done + i), rel_tol=1e-12):
             over = " — the schedule started over" if math.isclose(step["lr"], _learning_rate(i)) else ""
@@ -470,11 +492,17 @@ def _resumed(job, checkpoint, before, after):
                        f"{done + i} of the schedule is {_learning_rate(done + i):.6g}{over}: the scheduler "
                        "was not restored from the checkpoint (the optimizer's saved learning rate only "
                        "covers the first step).")
+
+
+def _same_order_after_restart(job, checkpoint, before, after):
     for rank in range(WORLD):
         again, crashed = after[rank].epoch(0), before[rank].epoch(1)
         if [s["micro"] for s in again[:len(crashed)]] != [s["micro"] for s in crashed]:
             _fail(job, f"after the restart rank {rank} saw epoch 1 in another order than before the crash: a "
                        "resumed run must replay the same data (the sampler's seed and epoch decide it).")
+
+
+RESUMED = (_loaded, _optimizer_restored, _scheduler_restored, _same_order_after_restart)
 
 
 # --- 6. the weights, replayed -----------------------------------------------------------------
@@ -543,7 +571,8 @@ def _weights_match(job, before, after, state, data):
     return at_restart, final
 
 
-def _metrics_logged(job, folder, epoch0, final, data):
+def _metrics_logged(job, folder, weights, data):
+    epoch0, final = weights
     path = folder / "metrics.jsonl"
     entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     if len(entries) != EPOCHS:
@@ -585,49 +614,93 @@ def _picks(events) -> list[tuple[str, str]]:
     return [(kind, str(index).split(":")[-1]) for kind, index in picks if index is not None]
 
 
-def _gpu_choices(job):
-    """The choices recorded on pretend GPUs: NCCL, and on each node GPU LOCAL_RANK % its GPUs."""
+def _local_ranks(job) -> dict[int, int]:
     ranks = range(capstone_run.NODES * job.per_node)
-    local = {r: job.of(r, 0)[0]["local_rank"] if job.of(r, 0) else r % job.per_node for r in ranks}
-    for rank in ranks:
+    return {r: job.of(r, 0)[0]["local_rank"] if job.of(r, 0) else r % job.per_node for r in ranks}
+
+
+def _gpu_backend(job):
+    for rank in _local_ranks(job):
         init = job.of(rank, 0, "init")
         if init and init[0]["backend"] not in (None, "nccl") and "nccl" not in (init[0]["backend"] or ""):
             _fail(job, f"on a node with GPUs rank {rank} still starts the {init[0]['backend']} backend: "
                        "gloo moves every gradient through the CPU; NCCL uses NVLink (hint 1).")
-    for rank in ranks:  # RANK first: it is the likelier cause of a GPU that is not there
+
+
+def _gpu_picked(job):
+    """Which GPU each choice named: LOCAL_RANK's, shared where the node has fewer GPUs."""
+    local = _local_ranks(job)
+    for rank in local:  # RANK first: it is the likelier cause of a GPU that is not there
         for kind, index in _picks(job.of(rank, 0)):
             if index == str(rank) != str(local[rank]):
                 _fail(job, f"rank {rank} is LOCAL_RANK {local[rank]} on its node, but {PICKED_BY[kind]} got GPU "
                            f"{index}: RANK counts over all nodes (8-15 on the second DGX node), a node's GPUs are "
                            "numbered by LOCAL_RANK (hint 1).")
-    for rank in ranks:
-        events = job.of(rank, 0)
-        expected = str(local[rank] % PRETEND_GPUS)
-        for kind, index in _picks(events):
+    for rank in local:
+        for kind, index in _picks(job.of(rank, 0)):
             if index.isdigit() and int(index) >= PRETEND_GPUS:
                 _fail(job, f"rank {rank} (LOCAL_RANK {local[rank]}) runs on a node with {PRETEND_GPUS} GPU for "
                            f"{job.per_node} processes, as under a Run:ai GPU fraction, and {PICKED_BY[kind]} asked "
                            f"for GPU {index}, which that node does not have: with fewer GPUs than processes, the "
                            "processes share them (hint 1).")
-            if index != expected:
+            if index != str(local[rank] % PRETEND_GPUS):
                 _fail(job, f"rank {rank} is LOCAL_RANK {local[rank]} on a node of {PRETEND_GPUS} GPU, but "
                            f"{PICKED_BY[kind]} got GPU {index}: a node's GPUs are numbered by LOCAL_RANK (hint 1).")
-        if not any(e["kind"] == "set_device" for e in events):
+
+
+def _gpu_set_device(job):
+    for rank in _local_ranks(job):
+        if not job.of(rank, 0, "set_device"):
             _fail(job, f"rank {rank} never called torch.cuda.set_device: whatever is made on 'cuda' without "
                        "an index (NCCL's own buffers too) lands on GPU 0, so 8 ranks share it (hint 1).")
-        ddp = [e for e in events if e["kind"] == "ddp"]
+
+
+def _gpu_device_ids(job):
+    for rank in _local_ranks(job):
+        ddp = job.of(rank, 0, "ddp")
         if ddp and ddp[0]["device_ids"] is not None and not isinstance(ddp[0]["device_ids"], list):
             _fail(job, f"device_ids={ddp[0]['device_ids']} is not a list: DDP wants the list of the one GPU "
                        "this process uses (hint 1).")
+
+
+def _gpu_job_wrapped(job):
     if any(code != 0 for code in job.returncodes) or not job.every("ddp"):
         _fail(job, "on a node with a GPU, your job failed before it wrapped the model in DDP. The first "
                    f"error of a rank:\n{_first_traceback(job.output)[-2500:]}")
 
 
+GPU_CHOICES = (_gpu_backend, _gpu_picked, _gpu_set_device, _gpu_device_ids, _gpu_job_wrapped)
+
+
 # --- the check -------------------------------------------------------------------------------
 
 
-def _first_attempt(job, checkpoint):
+class _Judge:
+    """Runs the check's steps in order. For a learner the first step that fails ends the check
+    (CheckFailed). Collecting, every step runs and each failure is kept: the tests plant several
+    mistakes that different steps see in one script, and one launch names them all. A step
+    that needs what a failed step would have given is skipped."""
+
+    def __init__(self, collect=False):
+        self.collect, self.failures = collect, []
+
+    def __call__(self, step, *args):
+        if any(arg is _FAILED for arg in args):
+            return _FAILED
+        try:
+            return step(*args)
+        except Exception as failure:  # collecting, a step an earlier mistake left blind says so
+            if not self.collect:
+                raise
+            self.failures.append(str(failure) if isinstance(failure, CheckFailed) else
+                                 f"{step.__name__} could not judge: {failure!r}")
+            return _FAILED
+
+
+_FAILED = object()  # what a failed step gave, when the judge collects
+
+
+def _first_attempt(job, checkpoint, judge):
     """Everything the first attempt shows, in the order of the hints: the data, the batch and
     the gradients (1, 2), the writer and the checkpoint (3), the evaluation (4). Returns the
     checkpoint as it is now."""
@@ -635,15 +708,15 @@ def _first_attempt(job, checkpoint):
     before = _runs(job, 0)
     for step in (_own_part_of_the_data, _global_batch, _same_start_and_train_mode, _one_allreduce_per_step,
                  _schedule):
-        step(job, before)
-    _one_writer(job)
-    state = _checkpoint_written(job, checkpoint)
-    _others_waited(job)
-    _each_test_sample_once(job, before)
-    _new_shuffle_every_epoch(job, before)
+        judge(step, job, before)
+    for step in ONE_WRITER:
+        judge(step, job)
+    state = judge(_checkpoint_written, job, checkpoint)
+    judge(_checkpoint_atomic, job, checkpoint)
+    judge(_others_waited, job)
+    judge(_each_test_sample_once, job, before)
+    judge(_new_shuffle_every_epoch, job, before)
     return state
-
-
 
 
 def _first_attempt_over(job, rank) -> bool:
@@ -653,9 +726,15 @@ def _first_attempt_over(job, rank) -> bool:
     return bool(job.of(rank, 0, "crash") or job.of(rank, 0, "exit")) or (rank, 1) in job.events
 
 
-def check_capstone_job(script, folder) -> None:
-    """Run the learner's ``script`` as a 2-node torchrun job (crashed once, restarted), judge
-    what its ranks did step by step, then record its choices on pretend GPUs."""
+def _gpu_choices(job, judge=None):
+    """The choices recorded on pretend GPUs: NCCL, and on each node GPU LOCAL_RANK % its GPUs."""
+    for step in GPU_CHOICES:
+        (judge or _Judge())(step, job)
+
+
+def _judged(script, folder, judge):
+    """Run the job (crashed once, restarted), judge what its ranks did step by step, then
+    start it on pretend GPUs and judge its choices there."""
     script, folder = Path(script).resolve(), (Path(folder) / "capstone_check").resolve()
     if not script.exists():
         raise CheckFailed(f"{script} does not exist: run its %%writefile cell first.")
@@ -672,29 +751,47 @@ def check_capstone_job(script, folder) -> None:
     def watch(job):  # attempt 0's mistakes are named as soon as it is over, not after the restart
         if not judged and job.of(CRASH_RANK, 0, "crash") and all(_first_attempt_over(job, r) for r in range(WORLD)):
             judged.append(True)
-            _first_attempt(job, checkpoint)
+            _first_attempt(job, checkpoint, _Judge())
 
-    job = capstone_run.launch(script, folder, options, data=data, max_restarts=1, watch=watch, probe_env={
-        "CAPSTONE_CRASH": f"{CRASH_RANK}:{CRASH_AFTER}", "CAPSTONE_SAVE_DELAY": str(SAVE_DELAY)})
+    job = capstone_run.launch(script, folder, options, data=data, max_restarts=1,
+                              watch=None if judge.collect else watch, probe_env={
+                                  "CAPSTONE_CRASH": f"{CRASH_RANK}:{CRASH_AFTER}",
+                                  "CAPSTONE_SAVE_DELAY": str(SAVE_DELAY)})
     _joined(job)
     if job.timed_out or any(code != 0 for code in job.returncodes):
-        _one_writer(job)  # two writers of one file often make the job fail: name the cause
+        for step in ONE_WRITER:  # two writers of one file often make the job fail: name the cause
+            step(job)
         _plain_keys(job, checkpoint)  # so do 'module.' keys, when the restart loads them
         _ran(job)
-    state = _first_attempt(job, checkpoint)
+    state = _first_attempt(job, checkpoint, judge)
     before, after = _runs(job, 0), _runs(job, 1)
-    _resumed(job, checkpoint, before, after)
-    epoch0, final = _weights_match(job, before, after, state, data)
-    _metrics_logged(job, folder, epoch0, final, data)
-    _closed(job)
+    _restarted(job)
+    for step in RESUMED:
+        judge(step, job, checkpoint, before, after)
+    weights = judge(_weights_match, job, before, after, state, data)
+    judge(_metrics_logged, job, folder, weights, data)
+    judge(_closed, job)
+    _gpu_choices(pretend_gpus(script, folder, options, data), judge)
 
-    _gpu_choices(pretend_gpus(script, folder, options, data))
+
+def check_capstone_job(script, folder) -> None:
+    """Run the learner's ``script`` as a 2-node torchrun job (crashed once, restarted), judge
+    what its ranks did step by step, then record its choices on pretend GPUs."""
+    _judged(script, folder, _Judge())
     passed(f"your job ran as 2 nodes under bare torchrun: each rank trained on its own part with a "
            f"global batch of {GLOBAL_BATCH} and one all-reduce per optimizer step, rank 0 alone logged and "
            f"wrote the checkpoint (atomically, waited for), each of the {TEST_SAMPLES} test samples was "
            f"counted once, the job crashed, restarted and resumed exactly, its weights equal DDP's "
            "arithmetic on its batches bit for bit, and on GPUs it would choose NCCL and LOCAL_RANK's GPU, "
            "shared where a node has fewer GPUs than processes")
+
+
+def capstone_job_mistakes(script, folder) -> list[str]:
+    """What the check says of every step that fails for ``script``, not only the first (in the
+    check's order): the tests plant several mistakes in one script and launch it once."""
+    judge = _Judge(collect=True)
+    _judged(script, folder, judge)
+    return judge.failures
 
 
 def check_capstone_submit(line: str, script: str = "train.py", nodes: int = 2,
