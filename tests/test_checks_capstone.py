@@ -173,20 +173,38 @@ GROUPS = [
     ["metric not all-reduced", "no map_location", "device_ids not a list", "a GPU the node does not have"],
     ["another order after the restart", "scheduler not restored", "GPU from RANK"],
 ]
+# First-attempt mistakes the check names before the restart, planted together: the job is
+# stopped once its first attempt is judged, as a learner's is.
+FIRST_ATTEMPT_GROUPS = [
+    ["ranks start apart", "no no_sync", "every rank logs metrics", "module. keys", "schedule's horizon"],
+    ["micro-batch grows", "the plain model trained"],
+]
 ALL_MISTAKES = {**FIRST_ATTEMPT_MISTAKES, **MISTAKES, **GPU_MISTAKES}
-ALONE = sorted(set(ALL_MISTAKES) - {name for group in GROUPS for name in group})
+ALONE = sorted(set(ALL_MISTAKES) - {name for group in GROUPS + FIRST_ATTEMPT_GROUPS for name in group})
 
 
 def test_every_mistake_is_planted_once():
-    planted = [name for group in GROUPS for name in group] + ALONE
+    planted = [name for group in GROUPS + FIRST_ATTEMPT_GROUPS for name in group] + ALONE
     assert sorted(planted) == sorted(ALL_MISTAKES)
     assert not set(ALONE) & set(GPU_MISTAKES), "a GPU mistake can ride along in a group"
+    assert all(name in FIRST_ATTEMPT_MISTAKES for group in FIRST_ATTEMPT_GROUPS for name in group)
 
 
 def planted_alone_is_named(tmp_path, name):
     changes, message = ALL_MISTAKES[name]
     with pytest.raises(CheckFailed, match=message):
         check_capstone_job(plant(tmp_path, *changes), tmp_path)
+
+
+def planted_together_are_each_named(tmp_path, group, first_attempt_only=False):
+    """One launch of a script with every mistake of ``group``: the check, collecting, says one
+    message per mistake, each naming that mistake, and nothing else."""
+    script = plant(tmp_path, *[change for name in group for change in ALL_MISTAKES[name][0]])
+    said = [message.split("\n\nWhat your ranks did")[0]
+            for message in capstone.capstone_job_mistakes(script, tmp_path, first_attempt_only)]
+    named = [[name for name in group if re.search(ALL_MISTAKES[name][1], message)] for message in said]
+    assert all(len(names) == 1 for names in named), "\n\n".join(said)  # each message one mistake's
+    assert sorted(sum(named, [])) == sorted(group), "\n\n".join(said)
 
 
 @pytest.mark.processes
@@ -198,11 +216,7 @@ def test_each_mistake_of_the_restart_and_the_end_is_named(tmp_path, name, no_orp
 @pytest.mark.processes
 @pytest.mark.parametrize("group", GROUPS, ids=[group[0] for group in GROUPS])
 def test_mistakes_planted_together_are_each_named_and_nothing_else(tmp_path, group, no_orphans):
-    script = plant(tmp_path, *[change for name in group for change in ALL_MISTAKES[name][0]])
-    said = [message.split("\n\nWhat your ranks did")[0] for message in capstone.capstone_job_mistakes(script, tmp_path)]
-    named = [[name for name in group if re.search(ALL_MISTAKES[name][1], message)] for message in said]
-    assert all(len(names) == 1 for names in named), "\n\n".join(said)  # each message one mistake's
-    assert sorted(sum(named, [])) == sorted(group), "\n\n".join(said)
+    planted_together_are_each_named(tmp_path, group)
 
 
 # Correct answers that choose differently from the solution: the replay follows them. Both

@@ -732,9 +732,13 @@ def _gpu_choices(job, judge=None):
         (judge or _Judge())(step, job)
 
 
-def _judged(script, folder, judge):
+class _FirstAttemptJudged(Exception):
+    """Stops a job once its first attempt is judged, when that is all that was asked for."""
+
+
+def _judged(script, folder, judge, first_attempt_only=False):
     """Run the job (crashed once, restarted), judge what its ranks did step by step, then
-    start it on pretend GPUs and judge its choices there."""
+    start it on pretend GPUs and judge its choices there (or judge the first attempt only)."""
     script, folder = Path(script).resolve(), (Path(folder) / "capstone_check").resolve()
     if not script.exists():
         raise CheckFailed(f"{script} does not exist: run its %%writefile cell first.")
@@ -751,12 +755,17 @@ def _judged(script, folder, judge):
     def watch(job):  # attempt 0's mistakes are named as soon as it is over, not after the restart
         if not judged and job.of(CRASH_RANK, 0, "crash") and all(_first_attempt_over(job, r) for r in range(WORLD)):
             judged.append(True)
-            _first_attempt(job, checkpoint, _Judge())
+            _first_attempt(job, checkpoint, judge)
+            if first_attempt_only:
+                raise _FirstAttemptJudged
 
-    job = capstone_run.launch(script, folder, options, data=data, max_restarts=1,
-                              watch=None if judge.collect else watch, probe_env={
-                                  "CAPSTONE_CRASH": f"{CRASH_RANK}:{CRASH_AFTER}",
-                                  "CAPSTONE_SAVE_DELAY": str(SAVE_DELAY)})
+    try:
+        job = capstone_run.launch(script, folder, options, data=data, max_restarts=1,
+                                  watch=None if judge.collect and not first_attempt_only else watch,
+                                  probe_env={"CAPSTONE_CRASH": f"{CRASH_RANK}:{CRASH_AFTER}",
+                                             "CAPSTONE_SAVE_DELAY": str(SAVE_DELAY)})
+    except _FirstAttemptJudged:
+        return
     _joined(job)
     if job.timed_out or any(code != 0 for code in job.returncodes):
         for step in ONE_WRITER:  # two writers of one file often make the job fail: name the cause
@@ -764,6 +773,8 @@ def _judged(script, folder, judge):
         _plain_keys(job, checkpoint)  # so do 'module.' keys, when the restart loads them
         _ran(job)
     state = _first_attempt(job, checkpoint, judge)
+    if first_attempt_only:
+        return
     before, after = _runs(job, 0), _runs(job, 1)
     _restarted(job)
     for step in RESUMED:
@@ -786,11 +797,13 @@ def check_capstone_job(script, folder) -> None:
            "shared where a node has fewer GPUs than processes")
 
 
-def capstone_job_mistakes(script, folder) -> list[str]:
+def capstone_job_mistakes(script, folder, first_attempt_only=False) -> list[str]:
     """What the check says of every step that fails for ``script``, not only the first (in the
-    check's order): the tests plant several mistakes in one script and launch it once."""
+    check's order): the tests plant several mistakes in one script and launch it once. With
+    ``first_attempt_only`` the job stops once its first attempt is judged, as it does for a
+    learner whose first attempt shows a mistake."""
     judge = _Judge(collect=True)
-    _judged(script, folder, judge)
+    _judged(script, folder, judge, first_attempt_only)
     return judge.failures
 
 
