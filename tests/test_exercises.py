@@ -1,5 +1,6 @@
 """Exercises are generated from solutions, stay in sync, and their checks fail on the blank."""
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -267,3 +268,43 @@ def test_a_failed_check_shows_its_message_alone_in_the_notebook(tmp_path):
     assert error.ename == "CheckFailed"
     assert error.traceback == [f"\x1b[0;31mCheckFailed\x1b[0m: {error.evalue}"]
     assert "def " not in error.evalue and "Traceback" not in "".join(error.traceback)
+
+
+def _runs_the_answer(notebook) -> set[str]:
+    """The workers of an exercise that run the learner's code: those with a solution region,
+    and those that import one of them."""
+    written = {cell.source.split("\n", 1)[0].rsplit("/", 1)[-1]: cell.source for cell in notebook.cells
+               if cell.source.startswith("%%writefile")}
+    answered = {name for name, source in written.items() if "### BEGIN SOLUTION" in source}
+    return answered | {name for name, source in written.items()
+                       if any(re.search(rf"^\s*(from|import)\s+{a[:-3]}\b", source, re.M) for a in answered)}
+
+
+@pytest.mark.parametrize("name", sorted(BLANKS), ids=[Path(name).stem for name in sorted(BLANKS)])
+def test_a_launch_of_the_learners_code_reaches_the_check(name):
+    """A rank that crashes in the learner's code must end in the check's named message, not in a
+    LaunchError's traceback: every launch of such a worker passes check=False, and the check
+    reads its failure (checks.launch_reports)."""
+    notebook = course_files.notebook(ROOT / "solutions" / name)
+    answering = _runs_the_answer(notebook)
+    for cell in notebook.cells:
+        for launched in re.findall(r"launch\(\s*WORKERS\s*/\s*[\"']([^\"']+)[\"']", cell.source):
+            assert launched not in answering or "check=False" in cell.source, (
+                f"{name}: the launch of {launched} raises on a crash before the check can name it:\n{cell.source}")
+
+
+def test_a_crash_in_the_learners_code_is_named_by_the_check():
+    """What a launch with check=False hands the check when rank 1 crashed in the learner's code
+    (rank 0 only echoes it): the check names rank 1 and its error, not a KeyError of its own."""
+    from types import SimpleNamespace
+
+    from spike_course import checks
+
+    job = SimpleNamespace(reports={0: {}}, nproc=2, timed_out=False, seconds=3.0, returncodes={0: 1, 1: 1},
+                          output={0: ["RuntimeError: Connection closed by peer [127.0.0.1]:4242"],
+                                  1: ["Traceback (most recent call last):", "  File \"x.py\", line 3",
+                                      "ZeroDivisionError: division by zero"]})
+    for check in (lambda: checks.check_zero1(job), lambda: checks.check_fits_budget(job, 1e6),
+                  lambda: checks.check_tp_plan(job), lambda: checks.check_pipeline_training(job, "digits.pt")):
+        with pytest.raises(checks.CheckFailed, match=r"rank 1 failed \(exit code 1\).*ZeroDivisionError"):
+            check()

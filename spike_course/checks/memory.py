@@ -13,7 +13,8 @@ from __future__ import annotations
 
 
 
-from ._common import CheckFailed, Mistake, borrowed_names, largest_difference, name_the_first, passed
+from ._common import (CheckFailed, Mistake, borrowed_names, largest_difference, launch_reports, name_the_first,
+                      passed)
 
 
 def _tensors_equal(a: dict, b: dict) -> bool:
@@ -252,7 +253,7 @@ def _check_trained(r: _Rank) -> None:
                       f"unconstrained run by up to {error:.3g}: {why}")
 
 
-def check_fits_budget(results: dict, budget: float) -> None:
+def check_fits_budget(results, budget: float) -> None:
     """Check exercise 1: every rank's bytes (parameters, gradients, Adam moments, activations
     saved for backward) are within ``budget``, and training ended bit for bit where the
     unconstrained run (DDP) ended.
@@ -268,6 +269,7 @@ def check_fits_budget(results: dict, budget: float) -> None:
     whole), "buffers" and "expected_buffers" (the built model's buffers and the unconstrained
     model's), "shape" (TinyTransformer's arguments), "batch" and "seq".
     """
+    results = launch_reports(results, "the model's build in fit_budget.py")  # a launch (check=False) or its reports
     ranks = sorted(results)
     if not ranks:
         raise CheckFailed("no rank reported anything: did the worker call runtime.report(...)?")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 
-from ._common import CheckFailed, Mistake, name_the_first, passed
+from ._common import CheckFailed, Mistake, launch_reports, name_the_first, passed
 
 
 def _reference(data, order, config, threads, devices):
@@ -226,10 +226,11 @@ def _check_evaluation(got: list, history: list, config: dict) -> None:
                               "with the labels, over all the test set.")
 
 
-def check_pipeline_training(launched: dict, data_file, functions: str = "pipeline_functions") -> None:
+def check_pipeline_training(launched, data_file, functions: str = "pipeline_functions") -> None:
     """Check what pipeline_epochs.py reported (``launch(...).reports``) for the module
     ``functions`` against one process training the same stages on the same batches;
     ``data_file`` is the data it trained on."""
+    launched = launch_reports(launched, f"the functions in {functions}.py")  # a launch (check=False) or its reports
     results = _results(launched, functions)
     first, last = results
     _check_ran(results)

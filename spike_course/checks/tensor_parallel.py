@@ -8,7 +8,7 @@ recognise it -> message)."""
 
 from __future__ import annotations
 
-from ._common import CheckFailed, close, passed
+from ._common import CheckFailed, close, launch_reports, passed
 
 
 def _gap(actual, expected) -> str:
@@ -398,7 +398,7 @@ def _check_collectives(comm: dict, n_layers: int) -> None:
                               f"{_PER_LAYER['backward']}: " + _why_extra_all_reduces(comm, fqn))
 
 
-def check_tp_plan(results: dict, plan: str = "tp_plan", rtol: float = 1e-9, atol: float = 1e-12) -> None:
+def check_tp_plan(results, plan: str = "tp_plan", rtol: float = 1e-9, atol: float = 1e-12) -> None:
     """Check a ``parallelize(model, mesh)`` plan for the TinyTransformer from what check_plan.py
     reported (``launch(...).reports``): outputs and gradients against the unsharded model,
     every weight sharded, and Megatron's collectives per layer (CommDebugMode).
@@ -407,6 +407,7 @@ def check_tp_plan(results: dict, plan: str = "tp_plan", rtol: float = 1e-9, atol
     the unsharded one, and in float64 that changes a result by a few units of 2**-53 times
     the sizes summed, far below ``rtol``; each mistake named here changes it by 1e-3 or more.
     """
+    results = launch_reports(results, f"the plan in {plan}.py")  # a launch (check=False) or its reports
     ranks = _ranks_that_ran(results, plan)
     config = results[0]["config"]
     unsharded, logits = _unsharded(config, results[0]["tokens"])

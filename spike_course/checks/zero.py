@@ -96,7 +96,7 @@ def _check_matches_ddp(r: _Rank) -> None:
                       "and give the optimizer the gradient of its own slice.")
 
 
-def check_zero1(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+def check_zero1(results, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     """Check a hand-written ZeRO stage 1 against DDP trained on the same batches.
 
     ``results[rank]`` (what ``launch(...).reports`` gives) holds: "zero1", the flat
@@ -106,6 +106,7 @@ def check_zero1(results: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     optionally "initial", the flat parameters before training, and "stepped", the values of
     the parameters the rank's optimizer holds after training (its slice).
     """
+    results = launch_reports(results, "the ZeRO-1 step in zero1.py")  # a launch (check=False) or its reports
     if not results:
         raise CheckFailed("no rank reported anything: did the worker call runtime.report(...)?")
     total = results[min(results)]["ddp"].numel()
