@@ -250,6 +250,7 @@ def test_peak_solution_passes(capsys):
     ("global_batch // (gpus * accumulation)", "global_batch // gpus", "AND by the accumulation"),
     ("global_batch // (gpus * accumulation)", "global_batch", "not the whole global batch"),
     ("zero_memory_breakdown(psi, shard, 3", "zero_memory_breakdown(psi, 1, 3", "each GPU holds 1/F"),
+    ("zero_memory_breakdown(psi, shard, 3", "zero_memory_breakdown(psi, gpus, 3", "not over all of them"),
     ("k=8,", "k=0,", "Adam's two moments"),
     ("checkpoint=checkpoint)", "checkpoint=False)", "ignore checkpointing"),
     ("precision=precision,", "", "counted in fp32"),

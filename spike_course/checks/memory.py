@@ -289,7 +289,8 @@ def check_fits_budget(results, budget: float) -> None:
 
 def _plan_total(model, seq, micro_batch, shard, precision, checkpoint, states_factor=1.0,
                 optimizer=True):
-    """memory_plan's total, or what a mistaken variant of it gives."""
+    """memory_plan's total, or what a mistaken variant of it gives (``shard``: the ranks the
+    states are spread over)."""
     from ..costmodel import MODEL_SHAPES, activation_bytes, transformer_params, zero_memory_breakdown
 
     layers, dim, hidden, heads, vocab, max_seq = MODEL_SHAPES[model]
@@ -302,6 +303,9 @@ def _plan_total(model, seq, micro_batch, shard, precision, checkpoint, states_fa
 # Jobs the check asks about: (model, seq, global_batch, gpus, accumulation, shard, precision, checkpoint)
 PEAK_JOBS = [
     ("Llama 3 8B", 4096, 64, 8, 4, 8, "bf16", True),
+    # HSDP: 8 GPUs, states sharded over groups of 2 (before the next job, where states over all
+    # 8 GPUs instead of 4 would read like Adam's moments left out)
+    ("Llama 3.2 1B", 1024, 64, 8, 1, 2, "bf16", True),
     ("Llama 3.2 1B", 2048, 128, 8, 2, 4, "autocast", False),
     ("tiny (chapter 11)", 16, 16, 2, 1, 2, "fp32", True),
     ("Llama 3 70B", 8192, 32, 8, 4, 8, "fp32", True),
@@ -322,6 +326,9 @@ def _peak_slips(job) -> dict:
         "the model states are sharded: each GPU holds 1/F of them (zero_memory_breakdown with "
         "dp_size = shard and stage 3)":
             _plan_total(model, seq, micro, shard, precision, checkpoint, states_factor=shard),
+        "the states are sharded over a group of F = shard GPUs, not over all of them: with "
+        "fewer (HSDP) each group holds its own replica":
+            _plan_total(model, seq, micro, gpus, precision, checkpoint),
         "Adam's two moments are missing: k=8 bytes per parameter of optimizer state":
             _plan_total(model, seq, micro, shard, precision, checkpoint, optimizer=False),
         "the activations ignore checkpointing: pass checkpoint=checkpoint to activation_bytes":
