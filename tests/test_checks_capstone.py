@@ -177,7 +177,7 @@ GROUPS = [
 # stopped once its first attempt is judged, as a learner's is.
 FIRST_ATTEMPT_GROUPS = [
     ["ranks start apart", "no no_sync", "every rank logs metrics", "module. keys", "schedule's horizon"],
-    ["micro-batch grows", "the plain model trained"],
+    ["micro-batch grows", "the plain model trained", "padded test shards"],
 ]
 ALL_MISTAKES = {**FIRST_ATTEMPT_MISTAKES, **MISTAKES, **GPU_MISTAKES}
 ALONE = sorted(set(ALL_MISTAKES) - {name for group in GROUPS + FIRST_ATTEMPT_GROUPS for name in group})
