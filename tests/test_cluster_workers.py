@@ -247,7 +247,9 @@ for folder, name in [%s]:
     except BaseException as error:
         sys.exit(f'importing {folder}/{name}.py: {error!r}')
     sys.path.remove(folder)
-    sys.modules.pop(name)
+    # it and the siblings it imported: another folder may reuse a name
+    for loaded in [n for n, m in sys.modules.items() if (getattr(m, '__file__', None) or '').startswith(folder + '/')]:
+        del sys.modules[loaded]
 """ % ", ".join(repr((str(module.parent), module.stem)) for module in modules)
     done = subprocess.run([sys.executable, "-c", probe], cwd=folder, env=env, capture_output=True, text=True,
                           timeout=240)

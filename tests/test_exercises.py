@@ -273,11 +273,10 @@ def test_a_failed_check_shows_its_message_alone_in_the_notebook(tmp_path):
 def _runs_the_answer(notebook) -> set[str]:
     """The workers of an exercise that run the learner's code: those with a solution region,
     and those that import one of them."""
-    written = {cell.source.split("\n", 1)[0].rsplit("/", 1)[-1]: cell.source for cell in notebook.cells
-               if cell.source.startswith("%%writefile")}
-    answered = {name for name, source in written.items() if "### BEGIN SOLUTION" in source}
+    written = {Path(path).name: source for path, source in exercises.written_files(notebook).items()}
+    answered = {name for name, source in written.items() if exercises.BEGIN in source}
     return answered | {name for name, source in written.items()
-                       if any(re.search(rf"^\s*(from|import)\s+{a[:-3]}\b", source, re.M) for a in answered)}
+                       if any(re.search(rf"^\s*(from|import)\s+{Path(a).stem}\b", source, re.M) for a in answered)}
 
 
 @pytest.mark.parametrize("name", sorted(BLANKS), ids=[Path(name).stem for name in sorted(BLANKS)])

@@ -726,10 +726,10 @@ def _first_attempt_over(job, rank) -> bool:
     return bool(job.of(rank, 0, "crash") or job.of(rank, 0, "exit")) or (rank, 1) in job.events
 
 
-def _gpu_choices(job, judge=None):
+def _gpu_choices(job, judge):
     """The choices recorded on pretend GPUs: NCCL, and on each node GPU LOCAL_RANK % its GPUs."""
     for step in GPU_CHOICES:
-        (judge or _Judge())(step, job)
+        judge(step, job)
 
 
 class _FirstAttemptJudged(Exception):
