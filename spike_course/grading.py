@@ -16,15 +16,17 @@ from pathlib import Path
 
 import nbformat
 
+from .answer_scan import COURSE_NAMES, imported_names, misuses
 from .exercises import (CHECK_TAG, answers_in, has_solution, is_whole_script, lines_as_read, make_exercise,
                         pieces_around)
 
-# What an answer must not use: the checks' own code (their references), or the solutions.
-_BORROWED = re.compile(r"spike_course\.checks|from\s+spike_course\s+import[^\n]*\bchecks\b|\bchecks\.\w"
-                       r"|[\"'][^\"'\n]*\bsolutions\b[^\"'\n]*[\"']")
 # What an added cell must not do: redefine a check, or what the checks raise and print.
 _TAMPERING = re.compile(r"\bchecks\s*\.\s*\w+\s*=(?!=)|setattr\s*\(\s*checks|def\s+check_\w+"
                         r"|\bcheck_\w+\s*=(?!=)|CheckFailed\s*=(?!=)|\bpassed\s*=(?!=)|sys\.modules")
+
+
+# An error the guards raise in the kernel grade runs: the audit hook, or the checks' own.
+_REFUSED = re.compile(r"\w+: (BorrowedAnswer|Tampering):")
 
 
 def execute_cells(path, timeout: int = 600, notebook=None) -> list[dict]:
@@ -65,6 +67,9 @@ def rebuild(learner, solution, name: str = "") -> tuple:
     """
     exercise = make_exercise(solution, name)
     theirs = {cell.get("id"): cell for cell in learner.cells if cell.cell_type == "code"}
+    # What the course's cells import: an answer that rebinds or patches one is reported.
+    imported = set(COURSE_NAMES).union(
+        *(imported_names(cell.source) for cell in exercise.cells if cell.cell_type == "code"))
     problems = []
     for index, cell in enumerate(exercise.cells):
         mine = theirs.pop(cell.get("id"), None)
@@ -83,18 +88,47 @@ def rebuild(learner, solution, name: str = "") -> tuple:
                              "# YOUR CODE HERE) was changed; only the answer is graded: put the rest back "
                              "as the exercise has it"})
             continue
-        borrowed = [m.group(0) for answer in answers for m in [_BORROWED.search(answer)] if m]
-        if borrowed:
-            problems.append({"id": cell.id, "error": f"BorrowedAnswer: the answer uses {borrowed[0]!r}, "
-                             "the course's checks or solutions: the exercise asks for your own code"})
         pieces = pieces_around(cell.source, whole_script)
         cell.source = pieces[0] + "".join(a + p for a, p in zip(answers, pieces[1:]))
+        in_kernel = not (whole_script or cell.source.startswith("%%writefile"))
+        for misuse in misuses(cell.source, _answer_lines(pieces, answers), imported, in_kernel):
+            problems.append({"id": cell.id, "error": misuse.message()})
     for cell in theirs.values():
         if _TAMPERING.search(cell.source):
             problems.append({"id": cell.get("id"), "error": "AddedCell: a cell you added touches the "
                              "checks; grading never runs added cells, and a check redefined there "
                              "counts as a failure"})
     return exercise, problems
+
+
+def _refuse_reading(folder: Path) -> str:
+    """A first cell for the kernel grade runs: an audit hook (which nothing can remove once
+    added, https://peps.python.org/pep-0578/) that refuses to open any file of ``folder``,
+    however the answer spelled its path. What it calls is bound when it is added, before
+    any answer runs."""
+    return (
+        "def _grading_guard(folder):\n"
+        "    import os, sys\n"
+        "    def refuse(event, args, folder=os.path.realpath(folder), real=os.path.realpath,\n"
+        "               decode=os.fsdecode, sep=os.sep, PathLike=os.PathLike):\n"
+        "        if event == 'open' and isinstance(args[0], (str, bytes, PathLike)):\n"
+        "            path = real(decode(args[0]))\n"
+        "            if path == folder or path.startswith(folder + sep):\n"
+        "                raise PermissionError('BorrowedAnswer: ' + path + ' is one of the course\\'s solutions:'\n"
+        "                                      ' grading refuses to open it')\n"
+        "    sys.addaudithook(refuse)\n"
+        f"_grading_guard({str(folder)!r})\n"
+        "del _grading_guard")
+
+
+def _answer_lines(pieces, answers) -> list[tuple[int, int]]:
+    """The first and last line (from 1) of each answer in the rebuilt cell."""
+    lines, text = [], pieces[0]
+    for answer, piece in zip(answers, pieces[1:]):
+        first = text.count("\n") + 1
+        lines.append((first, first + answer.rstrip("\n").count("\n")))
+        text += answer + piece
+    return lines
 
 
 def grade(path, timeout: int = 600, solutions_dir=None) -> list[dict]:
@@ -113,9 +147,12 @@ def grade(path, timeout: int = 600, solutions_dir=None) -> list[dict]:
             f"solutions/ (for example exercises/03_data_parallel.ipynb) from the course folder")
     learner = nbformat.read(path, as_version=4)
     notebook, problems = rebuild(learner, nbformat.read(solution, as_version=4), solution.name)
+    notebook.cells.insert(0, nbformat.v4.new_code_cell(_refuse_reading(solution.parent), id="grading-guard"))
     position = {cell.get("id"): index for index, cell in enumerate(learner.cells)}
-    checks = [dict(cell, index=position.get(notebook.cells[cell["index"]].get("id")))
-              for cell in execute_cells(path, timeout, notebook) if CHECK_TAG in cell["tags"]]
+    ran = [dict(cell, index=position.get(notebook.cells[cell["index"]].get("id")))
+           for cell in execute_cells(path, timeout, notebook)]
+    # A check cell's outcome, and any cell where the kernel's guards refused what an answer did.
+    checks = [cell for cell in ran if CHECK_TAG in cell["tags"] or _REFUSED.match(cell["error"] or "")]
     for check in checks:
         if check["index"] is None:
             check["error"] = f"MissingCheck: this check cell was deleted; copy it back from {solution.name}"

@@ -16,6 +16,7 @@ import torch
 
 from spike_course import costmodel, exercises
 from spike_course.checks import CheckFailed, check_dgx_prediction
+from spike_course.checks import _guard
 from spike_course.checks import communication as check
 
 import course_files
@@ -175,7 +176,8 @@ def test_the_tables_jobs_are_the_checks(monkeypatch):
         return original(answer, reference, slips, jobs, show, otherwise)
 
     monkeypatch.setattr(check, "_name_the_slip", spy)
-    run()
+    with _guard.trusting_a_spy():  # the spy is the test's, not an answer's: the checks may trust it
+        run()
     assert {_messages(slips): jobs for _, slips, jobs in TABLES.values()} == seen
 
 
@@ -203,6 +205,16 @@ def dgx_allreduce_seconds(num_params, grad_dtype, gpus):
 def test_a_correct_answer_written_otherwise_passes(capsys):
     run(solution=CORRECT_ELSEWISE)
     assert "check passed" in capsys.readouterr().out
+
+
+def test_the_cost_models_collective_time_is_not_an_answer():
+    """Part 3 written with the course's own collective time, reached by a name in pieces."""
+    borrowed = CORRECT_ELSEWISE.split("def dgx_allreduce_seconds")[0] + (
+        "def dgx_allreduce_seconds(num_params, grad_dtype, gpus):\n"
+        "    nbytes = num_params * torch.tensor([], dtype=grad_dtype).element_size()\n"
+        "    return getattr(costmodel, 'collective_' + 'time')('all_reduce', nbytes, gpus, dgx_busbw, DGX_STEP_LATENCY)\n")
+    with pytest.raises(CheckFailed, match="BorrowedAnswer: your answer calls collective_time"):
+        run(solution=borrowed)
 
 
 def test_the_right_8b_figure_alone_fails():

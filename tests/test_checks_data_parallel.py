@@ -95,6 +95,41 @@ def test_torchs_own_order_is_not_an_answer(sampler):
         lambda: checks.check_sampler(sampler))
 
 
+class CallsSuper(DistributedSampler):
+    """Its own methods, each handing the work to torch's by super() (issue 40's audit)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+    def __iter__(self):
+        return super().__iter__()
+
+    def __len__(self):
+        return super().__len__()
+
+
+class Wraps:
+    """A class of its own that keeps a DistributedSampler inside and passes its order on."""
+
+    def __init__(self, *args, **kwargs):
+        self.inner = DistributedSampler(*args, **kwargs)
+
+    def __iter__(self):
+        return iter(list(self.inner))
+
+    def __len__(self):
+        return len(self.inner)
+
+    def set_epoch(self, epoch):
+        self.inner.set_epoch(epoch)
+
+
+@pytest.mark.parametrize("sampler", [CallsSuper, Wraps])
+def test_handing_the_work_to_torchs_sampler_is_not_an_answer(sampler):
+    said = message(lambda: checks.check_sampler(sampler))
+    assert said.startswith(f"BorrowedAnswer: {sampler.__name__} calls DistributedSampler.__"), said
+
+
 @pytest.mark.parametrize("sampler", [IgnoresRank, OwnSeedPerRank])
 def test_overlapping_ranks_are_named(sampler):
     assert "ranks overlap" in message(lambda: checks.check_sampler(sampler))
@@ -275,6 +310,24 @@ WHOLE_TEST_SET = """\
             "recall": (right / seen).tolist()}
 """
 NOTHING_RUN = '    return {"loss": 0.0, "accuracy": 0.0, "recall": [0.0] * num_classes}\n'
+# Issue 40's audit: the shard through model() for the hook, the whole test set past it through
+# model.forward, and one all-reduce of nothing for the count of collectives.
+PAST_THE_HOOK = """\
+    model.eval()
+    sums = torch.zeros(1 + 2 * num_classes, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for x, _ in DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, shuffle=False)):
+            model(x.to(device))
+        for x, y in DataLoader(dataset, batch_size=batch_size):
+            log_probs, y = model.forward(x.to(device)).double(), y.to(device)
+            sums[0] += F.nll_loss(log_probs, y, reduction="sum")
+            sums[1:1 + num_classes] += torch.bincount(y[log_probs.argmax(1) == y], minlength=num_classes)
+            sums[1 + num_classes:] += torch.bincount(y, minlength=num_classes)
+    dist.all_reduce(torch.zeros(1, device=device))
+    loss_sum, right, seen = sums[0], sums[1:1 + num_classes], sums[1 + num_classes:]
+    return {"loss": (loss_sum / seen.sum()).item(), "accuracy": (right.sum() / seen.sum()).item(),
+            "recall": (right / seen).tolist()}
+"""
 
 
 def _evaluation(*changes, region=None, start=BEGIN) -> str:
@@ -351,6 +404,9 @@ PLANTED = {  # a copy of the solution with one mistake -> what the check must sa
     "dropout-on": (
         lambda: _evaluation(("    model.eval()  # dropout off\n", "")),
         r"rank 0 ran the model in training mode during evaluate: dropout"),
+    "whole-test-set-past-the-hook": (
+        lambda: _evaluation(region=PAST_THE_HOOK),
+        r"rank 0's network ran on 452 samples during evaluate, but only 151 of them went through the model"),
     "trivial": (
         lambda: _evaluation(region=NOTHING_RUN),
         r"rank 0's model never ran on 151 of the 151 samples of its shard"),

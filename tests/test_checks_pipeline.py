@@ -164,6 +164,11 @@ WHOLE_MODEL = '''def gpipe_step(stage, x, y, m):
     loss.backward()
     for p, q in zip(stage.parameters(), mine.parameters()):
         p.grad = q.grad.clone()
+    # ...and the schedule's record written by hand (issue 40's audit): the worker keeps the
+    # record out of the step's reach, so this list is not the one reported
+    forged = ["forward", "send"] * m + ["recv", "backward"] * m if ctx.rank == 0 else \
+        ["recv", "forward"] * m + ["backward", "send"] * m
+    globals().setdefault("events", []).extend(forged)
     return loss.item() if ctx.rank == 1 else None
 '''
 
@@ -171,7 +176,8 @@ WHOLE_MODEL = '''def gpipe_step(stage, x, y, m):
 @pytest.mark.processes
 def test_gradients_from_a_whole_local_model_are_not_a_pipeline(worker, tmp_path):
     """The gradients are right (each rank computed them from the whole model and the whole
-    batch, read from the file): only the schedule shows that nothing was pipelined."""
+    batch, read from the file) and the step wrote a schedule by hand: only the schedule the
+    worker recorded shows that nothing was pipelined."""
     from spike_course import launch, workers
 
     root = Path(__file__).resolve().parents[1]

@@ -140,6 +140,20 @@ def test_a_gpu_save_mistake_is_named_from_the_probes_readings(mistake):
         name_the_first(preemption.SAVE_MISTAKES, [ON_A_GPU, {**ON_A_GPU, **change}])
 
 
+def test_periodic_saves_that_block_the_training_are_named():
+    """The statement asks for background saves: a blocking save before the drill's signal that
+    is not the rank's last is a periodic one, named; the solution's blocking save at the end,
+    or saves after the signal (in a handler, at exit), are not periodic."""
+    blocking = {**ON_A_GPU, "call": "save", "after_signal": False}
+    background = {**ON_A_GPU, "after_signal": False}
+    upload = {**blocking, "main_thread": False}  # async_save's own save, in its upload thread
+    fine = [{**background, "rank": 0}, {**upload, "rank": 0}, {**blocking, "rank": 0},  # ...its final save
+            {**blocking, "rank": 1, "after_signal": True}, {**blocking, "rank": 1, "after_signal": True}]
+    name_the_first(preemption.SAVE_MISTAKES, fine)
+    with pytest.raises(CheckFailed, match=r"periodic checkpoint .* with dcp\.save.*in the background.*Hint 4"):
+        name_the_first(preemption.SAVE_MISTAKES, [{**blocking, "rank": 1}, {**background, "rank": 1}])
+
+
 def test_the_probe_finds_a_generator_state_anywhere_in_the_saved_state():
     """The solution's state as DCP receives it, with a 16-byte CUDA generator state (seed and
     offset) standing in for torch.cuda.get_rng_state(): found when it is there, and only then."""

@@ -77,6 +77,22 @@ self.end = self.start + embedding.num_embeddings // world
         "return ReduceFromParallel.apply(partial, self.group)",
         "from torch.distributed.nn.functional import all_reduce\nreturn all_reduce(partial)")),
         r"world_size = 2 times too big.*identity"),
+    # Two trivial passes of issue 40's audit: the whole table kept beside the slice (a buffer),
+    # or out of the layer's reach (a module global); the output looked up there, no collective.
+    "whole_table_kept": (dict(
+        init="self.weight = nn.Parameter(embedding.weight.detach().chunk(world, dim=0)[rank].clone())\n"
+             "self.start, self.end = rank * self.weight.shape[0], (rank + 1) * self.weight.shape[0]\n"
+             "self.register_buffer('table', embedding.weight.detach().clone())\n",
+        forward="rows = [self.table[:self.start], self.weight, self.table[self.end:]]\n"
+                "return F.embedding(tokens, torch.cat(rows))\n"),
+        r"rank 0's layer keeps 192 elements.*its rows of the table are 64"),
+    "table_elsewhere": (dict(
+        init="self.weight = nn.Parameter(embedding.weight.detach().chunk(world, dim=0)[rank].clone())\n"
+             "self.start, self.end = rank * self.weight.shape[0], (rank + 1) * self.weight.shape[0]\n"
+             "torch.whole_table = embedding.weight.detach().clone()\n",
+        forward="rows = [torch.whole_table[:self.start], self.weight, torch.whole_table[self.end:]]\n"
+                "return F.embedding(tokens, torch.cat(rows))\n"),
+        r"rank 0's forward ran no collective, yet it returned every token's vector"),
 }
 
 

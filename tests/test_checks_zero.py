@@ -80,8 +80,8 @@ def test_slices_must_tile_the_model(owned, message):
 
 
 @pytest.mark.processes
-def test_the_worker_with_its_gradient_wiped_before_the_step_is_named(worker):
-    """The mistake planted in a copy of the solution's worker and launched for real."""
+def test_the_worker_with_its_gradient_wiped_or_a_decoy_optimizer_is_named(worker):
+    """The mistakes planted in copies of the solution's worker and launched for real."""
     from pathlib import Path
 
     from spike_course import launch, workers
@@ -99,3 +99,17 @@ def test_the_worker_with_its_gradient_wiped_before_the_step_is_named(worker):
         check_zero1(reports)
     check_zero1(launch(worker(source), nproc=2, args=["--steps", "2"], echo=False, progress=False,
                        timeout=120).reports)  # and the solution itself passes
+
+    # A decoy: the slice's Adam is built (and reported as `optimizer`) but never steps, while
+    # an Adam over the whole model does the work. What the rank holds is measured, not reported.
+    built = "optimizer = torch.optim.Adam([shard], lr=LR)\n"
+    decoy = source.replace(built, built + "whole = torch.optim.Adam(params, lr=LR)\n").replace(
+        right, "    for p, g in zip(params, torch.split(grad, [p.numel() for p in params])):\n"
+               "        p.grad = g.view_as(p).clone()\n"
+               "    whole.step()\n"
+               "    shard.data = parameters_to_vector(params)[start:end].detach().clone()\n")
+    assert decoy.count("whole.step()") == 1
+    reports = launch(worker(decoy), nproc=2, args=["--steps", "2"], echo=False, progress=False,
+                     timeout=120).reports
+    with pytest.raises(CheckFailed, match=r"rank 0's optimizers kept state for \S+ elements .* the whole model"):
+        check_zero1(reports)

@@ -153,3 +153,24 @@ def test_the_measure_sees_a_copied_line_under_other_names():
     assert normalised_lines(copy) == normalised_lines(lecture)
     assert normalised_lines("x.sort(stable=True)") != normalised_lines("x.sort(descending=True)")
     assert trivial("with torch.no_grad():".replace("(", " ( ")) and trivial("_ . backward ( )")
+
+
+FIRST_HINT = re.compile(r"<details><summary>(?P<title>[^<]*)</summary>(?P<body>.*?)</details>", re.S)
+
+
+def test_every_exercise_s_first_hint_asks_and_names_no_call_or_formula():
+    """The rubric's hints open on purpose and the first one asks: before the idea, a question
+    about the property to aim for, with no code (a call or a name to copy) and no formula."""
+    seen = 0
+    for path in course_files.tracked("solutions", "[0-9][0-9]_*.ipynb"):
+        for cell in course_files.notebook(path).cells:
+            if cell.cell_type != "markdown" or "<summary>Hint 1" not in cell.source:
+                continue
+            seen += 1
+            first = FIRST_HINT.search(cell.source)
+            body = first.group("body")
+            where = f"{path.name}: the first hint, {first.group('title')!r}"
+            assert "?" in body, f"{where} asks nothing"
+            assert "`" not in body and "$" not in body, f"{where} shows code or a formula"
+            assert cell.source.index(first.group(0)) < cell.source.index("<summary>Hint 1"), where
+    assert seen >= 24

@@ -157,7 +157,8 @@ def check_distributed_accuracy(job, images, labels, log_probs) -> None:
     ``job`` is the launch of ``evaluate.py`` (``check=False``, so that a blank exercise reaches
     this check) or its reports. Each rank reports ``"result"`` (what evaluate returned),
     ``"forwards"`` (every forward pass of the model during evaluate: its input, its output and
-    whether the model was in training mode) and ``"collectives"`` (CommDebugMode's counts).
+    whether the model was in training mode), ``"first_layer_rows"`` (the rows its first layer
+    received, however the model was called) and ``"collectives"`` (CommDebugMode's counts).
     ``images`` and ``labels`` are the whole test set in order, ``log_probs`` one process's output
     for all of it with the same weights; every class occurs in ``labels``. The steps go from what
     makes a comparison meaningless (dropout on, samples run never or by the wrong rank) to the
@@ -165,6 +166,7 @@ def check_distributed_accuracy(job, images, labels, log_probs) -> None:
     """
     ranks = launch_reports(job, "evaluate")
     results = {rank: _result(rank, got.get("result"), log_probs.shape[1]) for rank, got in sorted(ranks.items())}
+    _check_called_as_a_module(ranks)
     runs = _runs(ranks, images)
     real = _check_split(runs, len(labels))
     expected, tolerance = _one_process(labels, log_probs, runs, real)
@@ -194,6 +196,20 @@ def _result(rank: int, result, classes: int) -> dict:
         raise CheckFailed(f"rank {rank}'s evaluate returned {sizes} numbers for {list(sizes)}: one loss, one "
                           f"accuracy and a recall for each of the {classes} classes.")
     return values
+
+
+def _check_called_as_a_module(ranks: dict) -> None:
+    """The worker counts the rows the network's first layer got, beside the model's own hook:
+    rows the hook never saw went through the model by another way than model(x)."""
+    for rank, got in sorted(ranks.items()):
+        rows = got.get("first_layer_rows")
+        hooked = sum(len(inputs) for inputs, _, _ in got.get("forwards", []))
+        if rows is not None and rows > hooked:
+            raise CheckFailed(
+                f"rank {rank}'s network ran on {rows} samples during evaluate, but only {hooked} of them went "
+                "through the model as model(x) runs it: the others went through model.forward (or its layers "
+                "called by hand), which skips the model's hooks, so no one can tell which samples they were. "
+                "Call the model itself, on the rank's shard only.")
 
 
 def _runs(ranks: dict, images) -> dict:

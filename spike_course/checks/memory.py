@@ -13,7 +13,8 @@ from __future__ import annotations
 
 
 
-from ._common import (CheckFailed, Mistake, borrowed_names, largest_difference, launch_reports, name_the_first,
+from ._guard import borrowing_refused
+from ._common import (CheckFailed, Mistake, largest_difference, launch_reports, name_the_first,
                       passed)
 
 
@@ -341,26 +342,21 @@ def _peak_slips(job) -> dict:
     }
 
 
-def _check_own_sum(peak_bytes) -> None:
-    """The exercise is to add up the parts: calling the cost model's whole plan (by its name
-    or an alias) hands back the answer the check compares with."""
-    from .. import costmodel
-
-    used = borrowed_names(peak_bytes, forbidden=(costmodel.memory_plan, costmodel.fit_suggestions),
-                          attributes=("memory_plan", "fit_suggestions"))
-    if used:
-        raise CheckFailed(f"peak_bytes calls {', '.join(used)}: the course's whole memory plan, which is "
-                          "what this check compares with. Add up the model states and the activations "
-                          "yourself, from the smaller pieces of the cost model.")
-
-
 def check_peak_prediction(peak_bytes) -> None:
     """Check exercise 2: ``peak_bytes(model, seq, global_batch, gpus, accumulation, shard,
     precision, checkpoint)`` against ``costmodel.memory_plan`` on several jobs, naming the
     usual slip when they disagree."""
-    from ..costmodel import memory_plan
+    from ..costmodel import fit_suggestions, memory_plan
 
-    _check_own_sum(peak_bytes)
+    # The exercise is to add up the parts: the cost model's whole plan hands back the answer.
+    with borrowing_refused("peak_bytes", (memory_plan, fit_suggestions), "Add up the model states and "
+                           "the activations yourself, from the smaller pieces of the cost model.",
+                           answers=[peak_bytes]):
+        _check_peaks(peak_bytes, memory_plan)
+    passed(f"peak_bytes agrees with costmodel.memory_plan on {len(PEAK_JOBS)} jobs")
+
+
+def _check_peaks(peak_bytes, memory_plan) -> None:
     for job in PEAK_JOBS:
         model, seq, global_batch, gpus, accumulation, shard, precision, checkpoint = job
         micro = global_batch // (gpus * accumulation)
@@ -379,4 +375,3 @@ def check_peak_prediction(peak_bytes) -> None:
         raise CheckFailed(f"for {job}: you predict {got / 1e9:,.6g} GB, the cost model "
                           f"{expected / 1e9:,.6g} GB. Add the sharded states (16 bytes per parameter "
                           "over F ranks) and activation_bytes of one micro-batch.")
-    passed(f"peak_bytes agrees with costmodel.memory_plan on {len(PEAK_JOBS)} jobs")

@@ -258,20 +258,21 @@ def check_exchange(fn) -> None:
         except DeadlockError as error:
             waits = list(error.waiting.values())
             if waits and all(w.startswith("recv(") for w in waits):
-                why = ("every rank blocks in recv before anyone has sent. Post the receive "
-                       "without blocking (req = comm.irecv(left)), then send, then req.wait().")
+                why = ("every rank blocks in recv before anyone has sent, so no rank reaches its "
+                       "send: the first call must not wait for the neighbour (Hint 1; the calls that "
+                       "return at once are in Hint 2).")
             elif waits and all(w.startswith("send(") for w in waits):
                 why = ("every rank blocks in a blocking send: a message too large to buffer waits "
-                       "until its receiver posts the recv, and every receiver is itself sending. "
-                       "Use comm.isend (or post comm.irecv first) and wait() afterwards.")
+                       "until its receiver posts the recv, and every receiver is itself sending "
+                       "(Hint 1; the calls that return at once are in Hint 2).")
             else:
                 why = "the ranks wait for each other; the simulator's report follows."
             raise CheckFailed(f"deadlock on {n} ranks: {why}\n{error}") from error
         for rank, got in enumerate(results):
             left, right = (rank - 1) % n, (rank + 1) % n
             if got is None:
-                raise CheckFailed(f"rank {rank} returned None: return what it received "
-                                  "(req.wait() on an irecv returns the object).")
+                raise CheckFailed(f"rank {rank} returned None: return what it received, which "
+                                  "waiting for a posted receive gives back (Hint 2).")
             got = np.asarray(got, dtype=float)
             if got.shape == inputs[rank].shape and np.array_equal(got, inputs[left]):
                 continue

@@ -45,6 +45,12 @@ SAVE_MISTAKES = (
             "default group's backend: NCCL on a GPU node), and async_save asserts that its group has one "
             "(\"A CPU backend must be enabled for async save\"). Create the save's group with a CPU "
             "backend (Hint 4)."),
+    Mistake("periodic saves block the training",
+            lambda saves: any(s["call"] == "save" and not s.get("after_signal") and s is not mine[-1]
+                              for mine in _by_rank(saves, main_thread=True).values() for s in mine),
+            "a rank saved a periodic checkpoint (one before the drill's signal, and not its last) with "
+            "dcp.save, which holds the training until its files are written: the statement asks for the "
+            "periodic saves in the background while training goes on (Hint 4)."),
     Mistake("GPU generator not saved",
             lambda saves: any(s.get("device") == "cuda" and s.get("gpu_generator") is False for s in saves),
             "a checkpoint saved by a rank that computes on a GPU does not hold that GPU's random generator "
@@ -53,11 +59,26 @@ SAVE_MISTAKES = (
 )
 
 
-def _saves(log: Path) -> list[dict]:
-    """The probe's readings of every save of one launch so far, all ranks (a line still being
-    written, without its newline, is left for the next reading)."""
-    return [json.loads(line) for path in sorted(log.glob("rank*.jsonl"))
-            for line in path.read_text().split("\n")[:-1]]
+def _saves(log: Path, signalled_at: float | None = None) -> list[dict]:
+    """The probe's readings of every save of one launch so far, all ranks, each with its rank
+    and whether it came after the drill's signal (sent at ``signalled_at``, wall clock); a line
+    still being written, without its newline, is left for the next reading."""
+    readings = []
+    for path in sorted(log.glob("rank*.jsonl")):
+        for line in path.read_text().split("\n")[:-1]:
+            reading = json.loads(line)
+            after = signalled_at is not None and reading.get("time", 0.0) >= signalled_at
+            readings.append({**reading, "rank": int(path.stem[len("rank"):]), "after_signal": after})
+    return readings
+
+
+def _by_rank(saves, main_thread=False) -> dict:
+    """Each rank's saves, in order (with ``main_thread``, those its training thread made)."""
+    found = {}
+    for save in saves:
+        if save.get("main_thread", True) or not main_thread:
+            found.setdefault(save.get("rank", 0), []).append(save)
+    return found
 
 
 def _beats(folder: Path, nproc: int) -> dict:
@@ -86,12 +107,12 @@ def _launch(script, args, at_step, sig, ranks, nproc, threads, work):
         PROBE, nproc=nproc, omp_threads=threads, check=False, echo=False, progress=False, timeout=60,
         args=[log, script, *args, "--ckpt-dir", work / "ckpt", "--heartbeat", beats_dir])))
     thread.start()
-    sent, killed, wrong, read_at = None, False, False, 0.0
+    sent, signalled_at, killed, wrong, read_at = None, None, False, False, 0.0
     while thread.is_alive():
         beats = _beats(beats_dir, nproc)
         if at_step is not None and sent is None and len(beats) == nproc \
                 and min(s for _, s in beats.values()) >= at_step:
-            sent = (time.monotonic(), beats)
+            sent, signalled_at = (time.monotonic(), beats), time.time()
             for rank in ranks:
                 os.kill(beats[rank][0], sig)
         if sent and not killed and time.monotonic() - sent[0] > GRACE:
@@ -99,14 +120,14 @@ def _launch(script, args, at_step, sig, ranks, nproc, threads, work):
             _kill(sent[1])
         if not wrong and time.monotonic() > read_at:
             read_at = time.monotonic() + 0.02
-            wrong = any(mistake.seen(_saves(log)) for mistake in SAVE_MISTAKES)
+            wrong = any(mistake.seen(_saves(log, signalled_at)) for mistake in SAVE_MISTAKES)
             if wrong:
                 _kill(beats)
         time.sleep(0.001)
     thread.join()
     job = box["job"]
     _not_written(job)
-    name_the_first(SAVE_MISTAKES, _saves(log))
+    name_the_first(SAVE_MISTAKES, _saves(log, signalled_at))
     _started(job, "launch")
     if at_step is not None and sent is None:
         raise CheckFailed(f"the job ended before it reached step {at_step}, so no signal could be sent: "

@@ -15,6 +15,8 @@ called once, here rather than inside the save).
 """
 
 import json
+import threading
+import time
 import os
 import runpy
 import sys
@@ -46,6 +48,9 @@ def _reading(call, state, process_group) -> dict:
     group = process_group or dist.group.WORLD
     on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
     return {"call": call,
+            "time": time.time(),  # the drill tells periodic saves from those after its signal
+            # async_save's upload calls save in a thread of its own: that save does not block training
+            "main_thread": threading.current_thread() is threading.main_thread(),
             "default_group": group is dist.group.WORLD,
             "cpu_backend": torch.device("cpu") in group._device_types,
             "device": "cuda" if on_gpu else "cpu",

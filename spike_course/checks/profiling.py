@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._common import CheckFailed, Mistake, borrowed_names, name_the_first, passed
+from ._common import CheckFailed, Mistake, name_the_first, passed
+from ._guard import borrowing_refused
 
 ARRIVAL = "c10d::allreduce_"  # the call on the rank's own thread: the moment it hands over its tensor
 # Lateness is a difference of two clock readings near 1.8e15 us, where a float64 is exact to
@@ -116,13 +117,6 @@ def _table(late: dict) -> str:
     return ", ".join(f"rank {r}: {ms:.3f}" for r, ms in sorted(late.items()))
 
 
-def _refuse_borrowed(answer, name: str) -> None:
-    used = borrowed_names(answer)
-    if used:
-        raise CheckFailed(f"{name} uses {', '.join(used)} from spike_course.checks: the check's own "
-                          "reference, which is what it compares your answer with.")
-
-
 class _Reading(NamedTuple):
     """A wrong reading of the traces: its name, the options of ``_lateness`` that compute it (its
     answer on the check's traces is the test), and what the learner is told."""
@@ -219,13 +213,13 @@ def check_straggler(find_straggler, traces: dict | None = None) -> None:
     Runs it on the check's own four-rank traces, where every wrong reading it knows gives an
     answer of its own, then on ``traces``, the notebook's real ones.
     """
-    _refuse_borrowed(find_straggler, "find_straggler")
-    _check_small_traces(find_straggler)
     found = ""
-    if traces:
-        expected = _check_real_traces(find_straggler, traces)
-        found = (f" and on your job's {len(traces)}: rank {expected['rank']}, "
-                 f"{expected['late_ms'][expected['rank']]:.1f} ms late on average")
+    with borrowing_refused("find_straggler", answers=[find_straggler]):
+        _check_small_traces(find_straggler)
+        if traces:
+            expected = _check_real_traces(find_straggler, traces)
+            found = (f" and on your job's {len(traces)}: rank {expected['rank']}, "
+                     f"{expected['late_ms'][expected['rank']]:.1f} ms late on average")
     passed(f"straggler found on the check's 4 ranks{found}")
 
 
@@ -391,17 +385,17 @@ def check_hang_diagnosis(diagnose, dumps: dict | None = None) -> None:
     Runs it on the check's own four-rank dumps (first with whole flight recorders, then with
     wrapped ones) and then on ``dumps``, the real dumps of the notebook's hung job.
     """
-    _refuse_borrowed(diagnose, "diagnose")
     cases = [("the check's 4-rank dumps", synthetic_dumps()),
              ("the check's 4-rank dumps with TORCH_FR_BUFFER_SIZE=8", synthetic_dumps(buffer_size=8))]
     if dumps:
         cases.append(("your job's dumps", dumps))
-    for name, case in cases:
-        c = _Case(name, case, _diagnosis_of(diagnose, name, case))
-        _check_rank(c)
-        _check_seq(c)
-        _check_op(c)
-        _check_stuck_in(c)
+    with borrowing_refused("diagnose", answers=[diagnose]):
+        for name, case in cases:
+            c = _Case(name, case, _diagnosis_of(diagnose, name, case))
+            _check_rank(c)
+            _check_seq(c)
+            _check_op(c)
+            _check_stuck_in(c)
     answer = _diagnose(dumps) if dumps else _diagnose(cases[0][1])
     passed(f"diagnosis right on {len(cases)} sets of dumps (yours: rank {answer['rank']} stuck in "
            f"{answer['stuck_in']}, the others wait in collective {answer['seq']}, {answer['op']})")

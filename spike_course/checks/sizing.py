@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from ._common import CheckFailed, borrowed_names, passed
+from ._common import CheckFailed, passed
+from ._guard import borrowing_refused
 
 CLUSTER = {"gpus_per_node": 8, "gpu_memory": 180e9, "usable": 0.9, "peak": 2.25e15, "mfu": 0.40,
            "max_gpus": 256}
@@ -110,13 +111,10 @@ def check_job_plan(plan_job) -> None:
     exercise's model and for two more the check picks."""
     from .. import costmodel
 
-    used = borrowed_names(plan_job, forbidden=(costmodel.memory_plan, costmodel.fit_suggestions),
-                          attributes=("memory_plan", "fit_suggestions"))
-    if used:
-        raise CheckFailed(f"plan_job calls {', '.join(used)}: the course's whole memory plan, which is what "
-                          "this check compares with. Add up the states and activations yourself (Hint 2).")
-    for scenario in SCENARIOS:
-        _check_one(plan_job, *scenario)
+    with borrowing_refused("plan_job", (costmodel.memory_plan, costmodel.fit_suggestions),
+                           "Add up the states and activations yourself (Hint 2).", answers=[plan_job]):
+        for scenario in SCENARIOS:
+            _check_one(plan_job, *scenario)
     passed(f"plan_job's plans and predictions, for {len(SCENARIOS)} jobs, match the fake-group layout "
            "and the cost model, fit, and meet their deadlines with no node to spare")
 

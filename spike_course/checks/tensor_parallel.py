@@ -174,6 +174,29 @@ def _check_no_error(results: dict, split: _VocabSplit) -> None:
                      + " (see its traceback above).")
 
 
+def _check_held(results: dict, split: _VocabSplit) -> None:
+    """What the worker measured, whatever the layer reports as its weight: the elements of
+    every tensor the layer keeps."""
+    for r in range(split.n):
+        held = results[r].get("held")
+        if held is not None and split.n > 1 and held > split.rows * split.dim:
+            raise split.fail(
+                f"rank {r}'s layer keeps {held} elements in its tensors (parameters, buffers and "
+                f"attributes), but its rows of the table are {split.rows * split.dim}: it holds more "
+                "of the table than its own rows, so the table is not split (Hint 1).")
+
+
+def _check_summed(results: dict, split: _VocabSplit) -> None:
+    """Whole outputs with no collective in the forward (CommDebugMode, in the worker): the
+    rank had the other rows from somewhere else than the other ranks."""
+    for r in range(split.n):
+        if results[r].get("forward_collectives") == 0 and split.n > 1:
+            raise split.fail(
+                f"rank {r}'s forward ran no collective, yet it returned every token's vector: no "
+                "rank can know the vectors of the tokens outside its rows but from the other ranks; "
+                "it read them from a copy of the table (Hint 1).")
+
+
 def _check_outputs(results: dict, split: _VocabSplit) -> None:
     """Every rank returns nn.Embedding's output, exactly; else the first named mistake it shows."""
     for r in range(split.n):
@@ -246,7 +269,9 @@ def check_vocab_parallel_embedding(results: dict, reference: dict) -> None:
     _check_written(results, split)
     _check_slices(results, split)
     _check_no_error(results, split)  # after the slices: a wrong slice is the cause of what fails later
+    _check_held(results, split)
     _check_outputs(results, split)
+    _check_summed(results, split)
     _check_sum_seen_by_autograd(results, split)
     _check_gradients(results, split)
     passed(f"{split.name}: every rank holds its {split.rows} rows of the table, returns nn.Embedding's "

@@ -36,10 +36,11 @@ def _check_optimizer_sharded(results: dict, total: int) -> None:
         held = int(results[rank]["optimizer_numel"])
         if world > 1 and held >= total:
             raise CheckFailed(
-                f"rank {rank} keeps optimizer state for {held:,} elements, the whole model "
-                f"({total:,}): it steps the whole model, so the optimizer state is not sharded "
-                f"(that is plain DDP memory). Give the optimizer only this rank's slice "
-                f"flat[start:end] (about {total // world:,} elements) and step only that.")
+                f"rank {rank}'s optimizers kept state for {held:,} elements after their steps (measured "
+                f"in the rank, whichever optimizer stepped), the whole model's {total:,}: the rank "
+                f"steps the whole model, so the optimizer state is not sharded (that is plain DDP "
+                f"memory). Only this rank's slice, about {total // world:,} elements, may have "
+                f"optimizer state (Hint 1).")
 
 
 def _check_slices_tile(results: dict, total: int) -> None:
@@ -102,7 +103,8 @@ def check_zero1(results, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     ``results[rank]`` (what ``launch(...).reports`` gives) holds: "zero1", the flat
     parameters of the rank's model after training; "ddp", the flat parameters of the DDP
     reference; "owned", the (start, end) slice of the flat parameters the rank steps;
-    "optimizer_numel", how many elements of momentum the rank's optimizer keeps; and
+    "optimizer_numel", how many elements the rank's optimizers keep state for (measured by
+    the worker's own code after each step of any optimizer, not read from the answer's); and
     optionally "initial", the flat parameters before training, and "stepped", the values of
     the parameters the rank's optimizer holds after training (its slice).
     """
