@@ -68,11 +68,11 @@ self.end = self.start + embedding.num_embeddings // world
 """), r"rank 0 holds a table of shape \(16, 4\), expected \(8, 8\).*EMBEDDING DIMENSION"),
     "not_summed": (dict(forward=forward_with("return ReduceFromParallel.apply(partial, self.group)",
                                                "return partial")),
-                   r"only the vectors of its own tokens.*the all-reduce is\s+missing"),
+                   r"only the vectors of its own tokens.*never summed over the ranks \(Hint 1"),
     "plain_all_reduce": (dict(forward=forward_with(
         "return ReduceFromParallel.apply(partial, self.group)",
         "dist.all_reduce(partial, group=self.group)\nreturn partial")),
-        r"plain dist.all_reduce on a tensor autograd tracks.*ReduceFromParallel"),
+        r"plain dist.all_reduce on a tensor autograd tracks.*The given Function is there for this sum"),
     "differentiable_all_reduce": (dict(forward=forward_with(
         "return ReduceFromParallel.apply(partial, self.group)",
         "from torch.distributed.nn.functional import all_reduce\nreturn all_reduce(partial)")),

@@ -95,8 +95,8 @@ _OUTPUT_MISTAKES = {
     "partial results not summed": (
         lambda split, r, y: split.n > 1 and close(y, split.partial(r)),
         "rank {r}'s output holds only the vectors of its own tokens (ids {first} to {last}), zeros for "
-        "the others: the all-reduce is missing. Sum the partial results over the ranks with "
-        "ReduceFromParallel.apply(partial, self.group)."),
+        "the others: the partial results were never summed over the ranks (Hint 1; the given "
+        "Function is in Hint 2)."),
     "outside tokens not zeroed (looked up as row 0)": (
         lambda split, r, y: close(y, split.sum_if_row_zero()), _not_zeroed("its row 0")),
     "outside tokens not zeroed (clamped into the slice)": (
@@ -164,9 +164,8 @@ def _check_no_error(results: dict, split: _VocabSplit) -> None:
         r = looked_outside[0]
         raise split.fail(
             "rank {r} looked up a row its slice does not have ({error}). Its table holds {rows} rows, "
-            "token ids {first} to {last}, as rows 0 to {top}: the tokens were not shifted by start "
-            "(subtract self.start before the lookup), or a token outside [start, end) was looked up as "
-            "it is (give those any valid row first, then zero their vectors). Rank 0 gets away with a "
+            "token ids {first} to {last}, as rows 0 to {top}: the tokens were not shifted by start, "
+            "or a token outside [start, end) was looked up as it is (Hint 1). Rank 0 gets away with a "
             "missing shift: its start is 0.".format(error=errors[r], top=split.rows - 1, **split.about(r)))
     r, error = next(iter(errors.items()))
     where = results[r].get("where")
@@ -227,8 +226,8 @@ def _check_sum_seen_by_autograd(results: dict, split: _VocabSplit) -> None:
                 f"warned: {unseen[0][:120]!r}... A dist.* call is invisible to autograd: here the "
                 "gradient silently passes through unchanged, right for this sum by luck, and torch "
                 "deprecates even that (a future release detaches the output: no gradient would reach "
-                "the table); the same call elsewhere gives wrong gradients. Use "
-                "ReduceFromParallel.apply(partial, self.group).")
+                "the table); the same call elsewhere gives wrong gradients. The given Function is "
+                "there for this sum (Hint 1).")
 
 
 def _check_gradients(results: dict, split: _VocabSplit) -> None:
@@ -239,8 +238,8 @@ def _check_gradients(results: dict, split: _VocabSplit) -> None:
         if grad is None:
             raise split.fail(
                 f"rank {r}'s table got no gradient: backward never reached it. A dist.all_reduce "
-                "on a detached copy (or under no_grad) cuts the graph: sum the partial results with "
-                "ReduceFromParallel.apply(partial, self.group), whose backward passes the gradient on.")
+                "on a detached copy (or under no_grad) cuts the graph; the given Function's backward "
+                "passes the gradient on (Hint 1).")
         if _same(grad, expected):
             continue
         if n > 1 and close(grad, n * expected):  # the sum's backward all-reduced the gradient again
