@@ -413,6 +413,16 @@ PLANTED = {  # a copy of the solution with one mistake -> what the check must sa
 }
 
 
+def test_a_counting_hook_taken_away_is_named():
+    """evaluate could clear the first layer's hook and then run the test set past the model's:
+    a first layer that counted fewer rows than the model ran on is named, not trusted."""
+    ran = [(torch.zeros(151, 1, 28, 28), torch.zeros(151, 10), False)]
+    rank = {"result": {"loss": 0.0, "accuracy": 0.0, "recall": [0.0] * 10}, "forwards": ran,
+            "first_layer_rows": 0, "collectives": {}}
+    with pytest.raises(CheckFailed, match=r"rank 0's model ran on 151 samples .* counted only 0: evaluate removed"):
+        checks.check_distributed_accuracy({0: rank}, torch.zeros(1), torch.zeros(1), torch.zeros(1, 10))
+
+
 @pytest.mark.parametrize("mistake", PLANTED)
 @pytest.mark.processes
 def test_planted_evaluation_mistakes_are_named(mistake, worker, no_orphans, test_set):

@@ -61,8 +61,7 @@ def take_snapshot() -> None:
 def replaced() -> list[str]:
     """What code has replaced since the snapshot, as ``place.name``."""
     now = _watched()
-    return [f"{place}{name}" for key, value in _snapshot.items() if now.get(key) is not value
-            for place, name in [key]]
+    return [place + name for (place, name), value in _snapshot.items() if now.get((place, name)) is not value]
 
 
 def verify() -> None:

@@ -200,10 +200,16 @@ def _result(rank: int, result, classes: int) -> dict:
 
 def _check_called_as_a_module(ranks: dict) -> None:
     """The worker counts the rows the network's first layer got, beside the model's own hook:
-    rows the hook never saw went through the model by another way than model(x)."""
+    rows the hook never saw went through the model by another way than model(x), and fewer
+    rows than the hook saw mean the worker's counting hook was taken away."""
     for rank, got in sorted(ranks.items()):
         rows = got.get("first_layer_rows")
         hooked = sum(len(inputs) for inputs, _, _ in got.get("forwards", []))
+        if rows is not None and rows < hooked:
+            raise CheckFailed(
+                f"rank {rank}'s model ran on {hooked} samples during evaluate, but its first layer counted only "
+                f"{rows}: evaluate removed the hook the worker counts with, so what the rank ran cannot be "
+                "known. Leave the model's hooks as the worker set them.")
         if rows is not None and rows > hooked:
             raise CheckFailed(
                 f"rank {rank}'s network ran on {rows} samples during evaluate, but only {hooked} of them went "

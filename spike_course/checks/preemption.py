@@ -120,7 +120,8 @@ def _launch(script, args, at_step, sig, ranks, nproc, threads, work):
             _kill(sent[1])
         if not wrong and time.monotonic() > read_at:
             read_at = time.monotonic() + 0.02
-            wrong = any(mistake.seen(_saves(log, signalled_at)) for mistake in SAVE_MISTAKES)
+            saves = _saves(log, signalled_at)  # read once for every mistake of the table
+            wrong = any(mistake.seen(saves) for mistake in SAVE_MISTAKES)
             if wrong:
                 _kill(beats)
         time.sleep(0.001)
