@@ -2,6 +2,9 @@
 cell writes, with its solution markers kept, and that file with lines of its solution
 region changed."""
 
+import re
+import textwrap
+
 BEGIN = "### BEGIN SOLUTION"
 
 
@@ -19,3 +22,39 @@ def planted(source: str, *changes) -> str:
         assert old in region, f"the solution's region no longer contains {old!r}: update this test"
         region = region.replace(old, new, 1)
     return head + BEGIN + region
+
+
+def _function_span(source: str, function: str) -> tuple[int, int]:
+    """Where the top-level ``def function(`` of ``source`` starts and ends (the first line
+    after it that is not indented or blank)."""
+    start = source.index(f"\ndef {function}(") + 1
+    following = re.search(r"\n(?=\S)", source[start:])
+    return start, start + following.start() + 1 if following else len(source)
+
+
+def one_launch_for_all(sources: dict, function: str, loop_from: str, loop_to: str = "runtime.teardown()",
+                       before_each: str = "") -> str:
+    """One worker that runs every variant in ``sources`` (a name -> a whole worker source, each
+    differing from the first only inside its top-level ``function``) in one launch: the lines
+    from ``loop_from`` up to ``loop_to`` run once per variant with that variant's ``function``,
+    and what they report arrives under the variant's name (``reports[rank][name]``).
+    ``before_each`` (a line) puts back what a variant may have changed for the next one.
+    A launch is what a plant costs; the plants that neither hang nor crash share one."""
+    base = next(iter(sources.values()))
+    start, end = _function_span(base, function)
+    definitions = []
+    for number, (name, source) in enumerate(sources.items()):
+        begin, finish = _function_span(source, function)
+        assert source[:begin] + source[finish:] == base[:start] + base[end:], \
+            f"the variant {name!r} changes more than {function}()"
+        definitions.append(source[begin:finish].replace(f"def {function}(", f"def {function}_{number}(", 1))
+    body_start = base.index(loop_from, end)
+    body_end = base.index(loop_to, body_start)
+    table = ", ".join(f"{name!r}: {function}_{number}" for number, name in enumerate(sources))
+    loop = ("_report = runtime.report\n"
+            f"for _variant, {function} in {{{table}}}.items():\n"
+            "    runtime.report = lambda _variant=_variant, **values: _report(**{_variant: values})\n"
+            + (f"    {before_each}\n" if before_each else "")
+            + textwrap.indent(base[body_start:body_end].rstrip() + "\n", "    ")
+            + "runtime.report = _report\n")
+    return base[:start] + "".join(definitions) + base[end:body_start] + loop + base[body_end:]

@@ -1,6 +1,6 @@
 """The checks of chapters 02 and 03 pass right answers and name the mistake in wrong ones;
 chapter 03's exercises with their mistakes planted in a copy of the solution's worker (one
-launch of 2 ranks per mistake, 3-5 seconds each)."""
+launch of 2 ranks per mistake of exercise 1; one launch for all of exercise 2's)."""
 
 import math
 from pathlib import Path
@@ -15,7 +15,7 @@ import spike_course
 from spike_course import checks, data, models
 from spike_course.checks import CheckFailed
 from spike_course.launcher import LaunchResult
-from planting import planted, written_file
+from planting import one_launch_for_all, planted, written_file
 
 import course_files
 
@@ -346,26 +346,15 @@ def test_set():
     return torch.stack([dataset[i][0] for i in range(TEST)]), torch.tensor([dataset[i][1] for i in range(TEST)])
 
 
-def _launch_and_check(worker, source, test_set):
-    """What the notebook's launch and check cells do, on the test's smaller test set."""
-    job = spike_course.launch(worker(source), nproc=2, args=EVALUATE_ARGS, check=False, echo=False,
-                              progress=False, timeout=120)
-    assert job.ok, job.output
+def _check(reports, test_set):
+    """What the notebook's check cell does with the ranks' reports, on the test's smaller test set."""
     model = models.Net()
-    model.load_state_dict(job.reports[0]["weights"])
+    model.load_state_dict(reports[0]["weights"])
     model.eval()
     images, labels = test_set
     with torch.no_grad():
         log_probs = model(images)
-    checks.check_distributed_accuracy(job, images, labels, log_probs)
-    return job
-
-
-@pytest.mark.processes
-def test_the_evaluation_passes_with_one_allreduce(worker, no_orphans, test_set, capsys):
-    job = _launch_and_check(worker, _evaluation(), test_set)
-    assert [job.reports[r]["collectives"] for r in range(2)] == [{"allreduce_": 1}] * 2
-    assert "the same on 2 ranks as in one process" in capsys.readouterr().out
+    checks.check_distributed_accuracy(reports, images, labels, log_probs)
 
 
 LOSS_LINE = 'sums[0] += F.nll_loss(log_probs, y, reduction="sum")'
@@ -423,12 +412,30 @@ def test_a_counting_hook_taken_away_is_named():
         checks.check_distributed_accuracy({0: rank}, torch.zeros(1), torch.zeros(1), torch.zeros(1, 10))
 
 
+@pytest.fixture(scope="module")
+def evaluations(tmp_path_factory):
+    """The solution's evaluate() and every planted one, run in one launch of 2 ranks on the
+    same trained model, each handed it in training mode (as the worker does): {name: {rank: report}}."""
+    sources = {"solution": _evaluation(), **{name: source() for name, (source, _) in PLANTED.items()}}
+    script = tmp_path_factory.mktemp("evaluate") / "evaluate.py"
+    script.write_text(one_launch_for_all(sources, "evaluate", loop_from="forwards = []",
+                                         before_each="model.train()"))
+    job = spike_course.launch(str(script), nproc=2, args=EVALUATE_ARGS, echo=False, progress=False, timeout=120)
+    return {name: {rank: job.reports[rank][name] for rank in job.reports} for name in sources}
+
+
+@pytest.mark.processes
+def test_the_evaluation_passes_with_one_allreduce(evaluations, test_set, capsys):
+    _check(evaluations["solution"], test_set)
+    assert [evaluations["solution"][r]["collectives"] for r in range(2)] == [{"allreduce_": 1}] * 2
+    assert "the same on 2 ranks as in one process" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("mistake", PLANTED)
 @pytest.mark.processes
-def test_planted_evaluation_mistakes_are_named(mistake, worker, no_orphans, test_set):
-    source, expected = PLANTED[mistake]
-    with pytest.raises(CheckFailed, match=expected):
-        _launch_and_check(worker, source(), test_set)
+def test_planted_evaluation_mistakes_are_named(mistake, evaluations, test_set):
+    with pytest.raises(CheckFailed, match=PLANTED[mistake][1]):
+        _check(evaluations[mistake], test_set)
 
 
 def test_what_the_evaluation_returns_is_checked_first():

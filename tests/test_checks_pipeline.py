@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from spike_course import checks
+from spike_course.checks import pipeline
 from spike_course.models import Net, split_net
+from named import mistake_of, names
 
 import course_files
 
@@ -80,22 +82,28 @@ def test_right_answer_passes(problem, capsys):
     assert "check passed" in capsys.readouterr().out
 
 
-def test_unscaled_losses_named(problem):
-    fails_with(problem[2], problem, "not scaled by 1/m", f"{M} x too large")
+# Each mistake of the check's tables: the answer, made from the problem's gradients, and words
+# its message must hold.
+PIPELINE_PLANTED = {
+    "losses not scaled by 1/m": (lambda p: p[2], ["not scaled by 1/m", f"{M} x too large"]),
+    "1/m applied twice": (lambda p: {k: v / M for k, v in p[0].items()}, ["twice"]),
+    "1/m applied again on the way back": (lambda p: {k: v / M if STAGE_OF[k] == 0 else v for k, v in p[0].items()},
+                                          ["stage [0]", "too small"]),
+    "this stage's losses not scaled": (lambda p: {k: v * M if STAGE_OF[k] == 0 else v for k, v in p[0].items()},
+                                       ["stage [0]", "too large", "not scaled by 1/m"]),
+    "only the last micro-batch": (lambda p: p[1], ["only the last micro-batch"]),
+    "only the last micro-batch (scaled by 1/m)": (lambda p: {k: v / M for k, v in p[1].items()},
+                                                  ["only the last micro-batch"]),
+}
+CHECK_MODULE, PLANTS = pipeline, PIPELINE_PLANTED  # tests/named.py
 
 
-def test_scaled_twice_named(problem):
-    fails_with({k: v / M for k, v in problem[0].items()}, problem, "twice")
-
-
-def test_stage0_scaled_again_named(problem):
-    answer = {k: v / M if STAGE_OF[k] == 0 else v for k, v in problem[0].items()}
-    fails_with(answer, problem, "stage [0]", "too small")
-
-
-def test_stage0_unscaled_named(problem):
-    answer = {k: v * M if STAGE_OF[k] == 0 else v for k, v in problem[0].items()}
-    fails_with(answer, problem, "stage [0]", "too large", "not scaled by 1/m")
+@pytest.mark.parametrize("name", PIPELINE_PLANTED)
+def test_each_planted_mistake_is_named(problem, name):
+    answer, words = PIPELINE_PLANTED[name]
+    with names(mistake_of(name)):
+        check(answer(problem), problem)
+    fails_with(answer(problem), problem, *words)
 
 
 def test_no_gradient_across_the_boundary_named(problem):
@@ -113,11 +121,6 @@ def test_missing_gradients_on_the_last_stage_named(problem):
 def test_wrong_shape_named(problem):
     answer = {**problem[0], "fc1.weight": problem[0]["fc1.weight"].t()}
     fails_with(answer, problem, "['fc1.weight'] have the wrong shape")
-
-
-def test_only_last_microbatch_named(problem):
-    for factor in (1.0, 1.0 / M):
-        fails_with({k: factor * v for k, v in problem[1].items()}, problem, "only the last micro-batch")
 
 
 def test_mismatched_pairing_named(problem):

@@ -7,7 +7,14 @@ from typing import Callable, NamedTuple
 
 
 class CheckFailed(AssertionError):
-    """The exercise's answer is not right yet; the message says what is likely wrong."""
+    """The exercise's answer is not right yet; the message says what is likely wrong, and
+    ``mistake`` is the name of the mistake in the check's table that it saw (None where the
+    check names no known mistake: a crash, a blank, a value it cannot explain). Tests assert
+    the name, so that rewording a message breaks no test."""
+
+    def __init__(self, message: str = "", mistake: str | None = None):
+        super().__init__(message)
+        self.mistake = mistake
 
     def _render_traceback_(self) -> list[str]:
         """What a notebook shows (IPython asks the exception): the message alone, as a learner
@@ -26,13 +33,29 @@ class Mistake(NamedTuple):
     def text(self, *readings) -> str:
         return self.message(*readings) if callable(self.message) else self.message
 
+    def failure(self, *readings, before: str = "") -> CheckFailed:
+        """The CheckFailed that names this mistake, its message made from ``readings``."""
+        return CheckFailed(before + self.text(*readings), mistake=self.name)
+
 
 def name_the_first(mistakes, *readings, before: str = "") -> None:
     """Fail with the message of the first of ``mistakes`` that ``readings`` show (after
     ``before``); return if none does."""
     for mistake in mistakes:
         if mistake.seen(*readings):
-            raise CheckFailed(before + mistake.text(*readings))
+            raise mistake.failure(*readings, before=before)
+
+
+def tables(module) -> dict[str, Mistake]:
+    """Every mistake in the tables of a check module (module-level Mistakes, and tuples or
+    lists of them), by name: what the tests must plant, each at least once."""
+    found = {}
+    for value in vars(module).values():
+        listed = isinstance(value, (tuple, list)) and not isinstance(value, Mistake)
+        for mistake in value if listed else [value]:
+            if isinstance(mistake, Mistake):
+                assert found.setdefault(mistake.name, mistake) is mistake, f"two mistakes named {mistake.name!r}"
+    return found
 
 
 def passed(what: str) -> None:

@@ -92,14 +92,17 @@ class _Rank:
         return ", ".join(b for b in self.blocks if b not in self.report["units"])
 
     @property
+    def wrong_buffers(self) -> list[str]:
+        """The buffers that differ from the unconstrained model's (the same names: _check_built)."""
+        import torch
+
+        buffers, expected = self.report["buffers"], self.report["expected_buffers"]
+        return sorted(n for n in expected if not torch.equal(buffers[n], expected[n]))
+
+    @property
     def blocks_kept_gathered(self) -> str:
         """The blocks that are FSDP units but keep their parameters gathered after their forward."""
         return ", ".join(b for b in self.blocks if self.report["units"].get(b) is False)
-
-
-def _first_cause(causes, r: _Rank, otherwise: str) -> str:
-    """The message of the first of ``causes`` that ``r``'s readings show, else ``otherwise``."""
-    return next((cause.text(r) for cause in causes if cause.seen(r)), otherwise)
 
 
 # The model build() returned, before any byte is counted: its dtype, its class (told by its
@@ -214,33 +217,35 @@ def _check_sharded(r: _Rank) -> None:
 def _check_saved_for_backward(r: _Rank) -> None:
     """The rank fits the budget, and its forward saved what per-block checkpointing saves."""
     if r.total > r.budget:
-        otherwise = f"model states {r.fit['held']} and {r.saved:,} bytes saved for backward."
-        raise CheckFailed(f"{r.holds}: {_first_cause(OVER_BUDGET_CAUSES, r, otherwise)}")
+        name_the_first(OVER_BUDGET_CAUSES, r, before=f"{r.holds}: ")
+        raise CheckFailed(f"{r.holds}: model states {r.fit['held']} and {r.saved:,} bytes saved for backward.")
     name_the_first((WHOLE_MODEL_CHECKPOINTED,), r)
+
+
+# After to_empty() the shards hold whatever was in that memory: the weights `initial` and the
+# buffers __init__ computes must be put back, each its own way.
+INITIALISATION_MISTAKES = (
+    Mistake("weights left uninitialised",
+            lambda r: not _tensors_equal(r.report["start"], r.report["initial"]),
+            lambda r: f"rank {r.rank}: the model build() returned does not start from the weights `initial` (largest "
+                      f"difference {largest_difference(r.report['start'], r.report['initial'])[0]:.3g}). After "
+                      "to_empty() the shards hold whatever was in that memory: load the weights with "
+                      "set_model_state_dict(model, checkpoint, options=StateDictOptions("
+                      "full_state_dict=True, broadcast_from_rank0=True)) after to_empty: rank 0 sends each "
+                      "rank its shards."),
+    Mistake("buffer left uninitialised",
+            lambda r: not _tensors_equal(r.report["buffers"], r.report["expected_buffers"]),
+            lambda r: f"rank {r.rank}: the buffer {', '.join(r.wrong_buffers)} of the model build() returned is not "
+                      "what the model computes in __init__. to_empty() allocates the buffers uninitialised, like "
+                      "the parameters, and set_model_state_dict cannot fill this one: a buffer registered with "
+                      "persistent=False is in no state dict. After to_empty, compute it again, as __init__ does "
+                      "(computing it before to_empty does not help: to_empty replaces it)."),
+)
 
 
 def _check_initialised(r: _Rank) -> None:
     """After to_empty() the model holds the weights `initial` and the buffers __init__ computes."""
-    import torch
-
-    start, initial = r.report["start"], r.report["initial"]
-    if not _tensors_equal(start, initial):
-        raise CheckFailed(
-            f"rank {r.rank}: the model build() returned does not start from the weights `initial` (largest "
-            f"difference {largest_difference(start, initial)[0]:.3g}). After to_empty() the shards hold "
-            "whatever was in that memory: load the weights with "
-            "set_model_state_dict(model, checkpoint, options=StateDictOptions("
-            "full_state_dict=True, broadcast_from_rank0=True)) after to_empty: rank 0 sends each "
-            "rank its shards.")
-    buffers, expected = r.report["buffers"], r.report["expected_buffers"]
-    if not _tensors_equal(buffers, expected):
-        wrong = sorted(n for n in expected if not torch.equal(buffers[n], expected[n]))  # same names: _check_built
-        raise CheckFailed(
-            f"rank {r.rank}: the buffer {', '.join(wrong)} of the model build() returned is not what the "
-            "model computes in __init__. to_empty() allocates the buffers uninitialised, like the "
-            "parameters, and set_model_state_dict cannot fill this one: a buffer registered with "
-            "persistent=False is in no state dict. After to_empty, compute it again, as __init__ does "
-            "(computing it before to_empty does not help: to_empty replaces it).")
+    name_the_first(INITIALISATION_MISTAKES, r)
 
 
 def _check_trained(r: _Rank) -> None:
@@ -248,10 +253,10 @@ def _check_trained(r: _Rank) -> None:
     if _tensors_equal(r.fit["params"], r.ddp["params"]):
         return
     error = largest_difference(r.fit["params"], r.ddp["params"])[0]
-    why = _first_cause(DRIFT_CAUSES, r, "train the same model on the same batches: start from `initial`, "
-                                        "shard with fully_shard, checkpoint per block, and change nothing else.")
-    raise CheckFailed(f"rank {r.rank}: the parameters after training differ from the "
-                      f"unconstrained run by up to {error:.3g}: {why}")
+    differ = f"rank {r.rank}: the parameters after training differ from the unconstrained run by up to {error:.3g}: "
+    name_the_first(DRIFT_CAUSES, r, before=differ)
+    raise CheckFailed(differ + "train the same model on the same batches: start from `initial`, shard with "
+                      "fully_shard, checkpoint per block, and change nothing else.")
 
 
 def check_fits_budget(results, budget: float) -> None:

@@ -242,6 +242,47 @@ def check_tree_allreduce(fn) -> None:
            "the whole array, as costmodel.allreduce_time says")
 
 
+# Exercise 2. Why the ranks deadlocked, told by what each one was waiting in (the simulator's
+# report follows each message).
+DEADLOCK_MISTAKES = (
+    Mistake("receive first", lambda n, waits, error: bool(waits) and all(w.startswith("recv(") for w in waits),
+            lambda n, waits, error: f"deadlock on {n} ranks: every rank blocks in recv before anyone has sent, so "
+                                    "no rank reaches its send: the first call must not wait for the neighbour (Hint "
+                                    f"1; the calls that return at once are in Hint 2).\n{error}"),
+    Mistake("blocking send first", lambda n, waits, error: bool(waits) and all(w.startswith("send(") for w in waits),
+            lambda n, waits, error: f"deadlock on {n} ranks: every rank blocks in a blocking send: a message too "
+                                    "large to buffer waits until its receiver posts the recv, and every receiver "
+                                    "is itself sending (Hint 1; the calls that return at once are in Hint "
+                                    f"2).\n{error}"),
+)
+
+# What a rank returned instead of its left neighbour's data (inputs[rank] is what it sent).
+EXCHANGE_MISTAKES = (
+    Mistake("nothing returned", lambda n, rank, got, inputs: got is None,
+            lambda n, rank, got, inputs: f"rank {rank} returned None: return what it received, which waiting for a "
+                                         "posted receive gives back (Hint 2)."),
+    Mistake("own data returned", lambda n, rank, got, inputs: _same(got, inputs[rank]),
+            lambda n, rank, got, inputs: f"rank {rank} returned its own data: return what it received from its "
+                                         "left neighbour, not what it sent."),
+    Mistake("neighbours swapped", lambda n, rank, got, inputs: _same(got, inputs[(rank + 1) % n]),
+            lambda n, rank, got, inputs: f"on {n} ranks rank {rank} got the data of rank {(rank + 1) % n}: send to "
+                                         "the right neighbour (rank + 1) % N and receive from the left one "
+                                         "(rank - 1) % N."),
+)
+
+SENT_MORE_THAN_ONCE = Mistake(
+    "more than one message", lambda n, counts: counts != [1] * n,
+    lambda n, counts: f"on {n} ranks the ranks sent {counts} messages: each sends exactly one, to its right "
+                      "neighbour.")
+
+
+def _same(got, expected) -> bool:
+    import numpy as np
+
+    got = np.asarray(got, dtype=float)
+    return got.shape == expected.shape and np.array_equal(got, expected)
+
+
 def check_exchange(fn) -> None:
     """``fn(comm, data)`` must send ``data`` to rank (rank + 1) % N and return what rank
     (rank - 1) % N sent, on 2-4 ranks, with no send buffered (every send waits for its
@@ -256,38 +297,15 @@ def check_exchange(fn) -> None:
         try:
             results = _run_simulated(world, fn, inputs, "exchange")
         except DeadlockError as error:
-            waits = list(error.waiting.values())
-            if waits and all(w.startswith("recv(") for w in waits):
-                why = ("every rank blocks in recv before anyone has sent, so no rank reaches its "
-                       "send: the first call must not wait for the neighbour (Hint 1; the calls that "
-                       "return at once are in Hint 2).")
-            elif waits and all(w.startswith("send(") for w in waits):
-                why = ("every rank blocks in a blocking send: a message too large to buffer waits "
-                       "until its receiver posts the recv, and every receiver is itself sending "
-                       "(Hint 1; the calls that return at once are in Hint 2).")
-            else:
-                why = "the ranks wait for each other; the simulator's report follows."
-            raise CheckFailed(f"deadlock on {n} ranks: {why}\n{error}") from error
+            name_the_first(DEADLOCK_MISTAKES, n, list(error.waiting.values()), error)
+            raise CheckFailed(f"deadlock on {n} ranks: the ranks wait for each other; the simulator's report "
+                              f"follows.\n{error}") from error
         for rank, got in enumerate(results):
-            left, right = (rank - 1) % n, (rank + 1) % n
-            if got is None:
-                raise CheckFailed(f"rank {rank} returned None: return what it received, which "
-                                  "waiting for a posted receive gives back (Hint 2).")
-            got = np.asarray(got, dtype=float)
-            if got.shape == inputs[rank].shape and np.array_equal(got, inputs[left]):
+            if got is not None and _same(got, inputs[(rank - 1) % n]):
                 continue
-            if got.shape == inputs[rank].shape and np.array_equal(got, inputs[rank]) and n > 1:
-                raise CheckFailed(f"rank {rank} returned its own data: return what it received "
-                                  "from its left neighbour, not what it sent.")
-            if got.shape == inputs[rank].shape and np.array_equal(got, inputs[right]):
-                raise CheckFailed(f"on {n} ranks rank {rank} got the data of rank {right}: send "
-                                  "to the right neighbour (rank + 1) % N and receive from the left "
-                                  "one (rank - 1) % N.")
+            name_the_first(EXCHANGE_MISTAKES, n, rank, got, inputs)
             raise CheckFailed(f"on {n} ranks rank {rank} returned something else than the data of "
-                              f"rank {left}, its left neighbour.")
-        counts = world.messages_per_rank()
-        if counts != [1] * n:
-            raise CheckFailed(f"on {n} ranks the ranks sent {counts} messages: each sends exactly "
-                              "one, to its right neighbour.")
+                              f"rank {(rank - 1) % n}, its left neighbour.")
+        name_the_first((SENT_MORE_THAN_ONCE,), n, world.messages_per_rank())
     passed("exchange: every rank got its left neighbour's data on 2-4 ranks, one message each, "
            "and no deadlock even when no send is buffered")

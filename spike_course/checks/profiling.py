@@ -13,7 +13,6 @@ on the real traces or dumps of the notebook's own run.
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 from ._common import CheckFailed, Mistake, name_the_first, passed
 from ._guard import borrowing_refused
@@ -117,65 +116,57 @@ def _table(late: dict) -> str:
     return ", ".join(f"rank {r}: {ms:.3f}" for r, ms in sorted(late.items()))
 
 
-class _Reading(NamedTuple):
-    """A wrong reading of the traces: its name, the options of ``_lateness`` that compute it (its
-    answer on the check's traces is the test), and what the learner is told."""
-    name: str
-    options: dict
-    hint: str
+def _reading(name: str, options: dict, hint: str) -> Mistake:
+    """A wrong reading of the traces: seen when the answer on the check's traces (``small``) is
+    what ``_lateness`` computes with ``options``; the learner is told ``hint``."""
+    return Mistake(name, lambda got, small: _same(got, _lateness(small, **options), rank=False),
+                   lambda got, small: f"on the check's 4-rank traces you found rank {got['rank']} "
+                                      f"({_table(got['late_ms'])} ms): {hint}.")
 
 
 # Each gives an answer of its own on the check's 4-rank traces, so the first that matches names it.
 WRONG_READINGS = (
-    _Reading("waits instead of lateness", dict(behind=False),
+    _reading("waits instead of lateness", dict(behind=False),
              "that is how long each rank WAITED for the last one (last arrival - its arrival), so the "
              "rank that waits most comes out on top: a victim. Lateness counts from the FIRST arrival: "
              "its arrival - the earliest arrival at the same collective"),
-    _Reading("no common clock", dict(clock=False),
+    _reading("no common clock", dict(clock=False),
              "you compared ts values of different traces: each counts from its own trace's "
              "baseTimeNanoseconds (ranks on different nodes have different bases). Put every event on "
              "one clock first: baseTimeNanoseconds / 1000 + ts"),
-    _Reading("gloo thread starts", dict(name="gloo:"),
+    _reading("gloo thread starts", dict(name="gloo:"),
              "you timed the gloo:all_reduce events: they start when one of gloo's threads picks the "
              f"work up, which can be long after the call. A rank arrives when it calls: {ARRIVAL}, on "
              "its own thread"),
-    _Reading("gloo thread ends", dict(end=True, name="gloo:"),
+    _reading("gloo thread ends", dict(end=True, name="gloo:"),
              "you used when the gloo:all_reduce events END: a collective ends at about the same moment "
              "on every rank (nobody finishes before the last one arrives), so nobody looks late. Use "
              f"when each rank ARRIVES: the start of its {ARRIVAL} call"),
-    _Reading("call ends", dict(end=True),
+    _reading("call ends", dict(end=True),
              f"you used when the {ARRIVAL} calls END. DDP's call returns once gloo has the tensor, "
              "a plain dist.all_reduce only when the sum is back: neither is the arrival. Use the START "
              "of the call"),
-    _Reading("forward starts", dict(name="forward"),
+    _reading("forward starts", dict(name="forward"),
              "you compared when the ranks START their steps (the forward range): they start "
              "almost together, because a rank that waited in the last step's all-reduce starts "
              "the next step as soon as it ends. A slow rank shows where the ranks meet: at the "
              f"collectives ({ARRIVAL})"),
-    _Reading("total, not mean", dict(mean=False),
+    _reading("total, not mean", dict(mean=False),
              "that is each rank's lateness added up over all the collectives; give the mean per collective"),
-    _Reading("microseconds", dict(per_ms=1.0),
+    _reading("microseconds", dict(per_ms=1.0),
              "those are microseconds (trace times are in us); give milliseconds"),
 )
 
 
-def _name_wrong_reading(got: dict, small: dict) -> None:
-    """An answer that is one of the known wrong readings of the check's traces is told which."""
-    for reading in WRONG_READINGS:
-        if _same(got, _lateness(small, **reading.options), rank=False):
-            raise CheckFailed(f"on the check's 4-rank traces you found rank {got['rank']} "
-                              f"({_table(got['late_ms'])} ms): {reading.hint}.")
-
-
-def _name_longest_communicator(got: dict, small: dict) -> None:
-    """The rank that spent the longest in gloo's all-reduce is a victim, not the straggler."""
-    comm = {rank: _communication_ms(trace) for rank, trace in small.items()}
-    if got["rank"] == max(comm, key=comm.get):
-        raise CheckFailed(
-            f"on the check's 4-rank traces you named rank {got['rank']}, the rank that spent the longest in "
-            f"gloo:all_reduce ({_table(comm)} ms). That rank is a victim: an all-reduce lasts until the last "
-            "rank arrives, so the ranks that are early 'communicate' longest, and the straggler least. "
-            f"Compare when each rank arrives at each collective ({ARRIVAL}).")
+# The rank that spent the longest in gloo's all-reduce is a victim, not the straggler.
+LONGEST_COMMUNICATOR = Mistake(
+    "the longest communicator",
+    lambda got, small: got["rank"] == max(small, key=lambda rank: _communication_ms(small[rank])),
+    lambda got, small: f"on the check's 4-rank traces you named rank {got['rank']}, the rank that spent the longest "
+                       f"in gloo:all_reduce ({_table({r: _communication_ms(t) for r, t in small.items()})} ms). That "
+                       "rank is a victim: an all-reduce lasts until the last rank arrives, so the ranks that are "
+                       "early 'communicate' longest, and the straggler least. Compare when each rank arrives at "
+                       f"each collective ({ARRIVAL}).")
 
 
 def _check_small_traces(find_straggler) -> None:
@@ -185,8 +176,7 @@ def _check_small_traces(find_straggler) -> None:
     got, expected = _straggler_answer(find_straggler(small), small), _lateness(small)
     if _same(got, expected):
         return
-    _name_wrong_reading(got, small)
-    _name_longest_communicator(got, small)
+    name_the_first((*WRONG_READINGS, LONGEST_COMMUNICATOR), got, small)
     raise CheckFailed(f"on the check's 4-rank traces you found rank {got['rank']} ({_table(got['late_ms'])} ms); "
                       f"expected rank {expected['rank']} ({_table(expected['late_ms'])} ms): for the k-th "
                       f"{ARRIVAL} of every rank (the same collective), each rank's start minus the earliest "
