@@ -18,6 +18,7 @@ from spike_course import costmodel, exercises
 from spike_course.checks import CheckFailed, check_dgx_prediction
 from spike_course.checks import _guard
 from spike_course.checks import communication as check
+from named import mistake_of, names
 
 import course_files
 
@@ -74,7 +75,7 @@ MISTAKES = {
     "bits for bytes": ("dgx_busbw = 18 * 400e9 / 8", "dgx_busbw = 18 * 400e9", "400 Gbit/s is in bits"),
     "one link, in bits": ("dgx_busbw = 18 * 400e9 / 8", "dgx_busbw = 400e9", "one link's 400 Gbit/s, taken as bytes"),
     "both directions": ("dgx_busbw = 18 * 400e9 / 8", "dgx_busbw = 2 * 18 * 400e9 / 8", "other direction"),
-    "the headline figure": ("dgx_busbw = 18 * 400e9 / 8", "dgx_busbw = 1.8e12", "other direction"),
+    "both directions (the headline figure)": ("dgx_busbw = 18 * 400e9 / 8", "dgx_busbw = 1.8e12", "other direction"),
     "a direction split in two": ("dgx_busbw = 18 * 400e9 / 8", "dgx_busbw = 18 * 400e9 / 8 / 2",
                                  "sending does not take from its receiving"),
     # part 3, dgx_allreduce_seconds (given a right predict_allreduce and dgx_busbw)
@@ -99,10 +100,13 @@ MISTAKES = {
 }
 
 
+CHECK_MODULE, PLANTS = check, MISTAKES  # tests/named.py
+
+
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_each_mistake_is_named(name):
     old, new, message = MISTAKES[name]
-    with pytest.raises(CheckFailed, match=message):
+    with names(mistake_of(name), says=message):
         run(old, new)
 
 
@@ -124,18 +128,18 @@ def test_former_neighbours_are_not_named_for_each_other(first, second):
     for planted, other in ((first, second), (second, first)):
         with pytest.raises(CheckFailed) as failure:
             run(*MISTAKES[planted][:2])
-        assert not re.search(MISTAKES[other][2], str(failure.value)), f"{planted} was named {other}"
+        assert failure.value.mistake == mistake_of(planted), f"{planted} was named {failure.value.mistake}"
 
 
-def _results(formulas, jobs):
-    return [[formula(*job) for job in jobs] for formula in formulas]
+def _results(formulas, jobs, context=()):
+    return [[formula(*job, *context) for job in jobs] for formula in formulas]
 
 
 def _apart(a, b):
     return any(abs(x - y) > check.RTOL * max(abs(x), abs(y)) for x, y in zip(a, b))
 
 
-TABLES = {  # each table of slips with the reference and the jobs the check runs it on
+TABLES = {  # each table of slips with the reference, the jobs the check runs it on (and the slips' context)
     "ring latency": (lambda *j: check._ring(*j)[0], check.STEP_LATENCY_SLIPS,
                      [(20e-6, 1 / 3e9, 4), (4e-6, 1 / 40e9, 8), (*FIT, WORLD)]),
     "ring bus bandwidth": (lambda *j: check._ring(*j)[1], check.BUS_BANDWIDTH_SLIPS,
@@ -147,23 +151,24 @@ TABLES = {  # each table of slips with the reference and the jobs the check runs
                           (1e9, torch.bfloat16, 4, 0.0, 100e9)]),
     "node bus bandwidth": (lambda: check.DGX_BUSBW, check.DGX_BUSBW_SLIPS, [()]),
     "node all-reduce": (lambda p, d, n: check._predict(p, check._size(d), n, check.NCCL_ALPHA, check.DGX_BUSBW),
-                        check._dgx_slips(*check._ring(*FIT, WORLD), WORLD),
+                        check.DGX_SLIPS,
                         [(0, torch.bfloat16, 8), (0, torch.bfloat16, 4), (8e9, torch.bfloat16, 8),
-                         (8e9, torch.float32, 8), (8e9, torch.bfloat16, 4)]),
+                         (8e9, torch.float32, 8), (8e9, torch.bfloat16, 4)], (*check._ring(*FIT, WORLD), WORLD)),
 }
 
 
 @pytest.mark.parametrize("table", sorted(TABLES))
 def test_no_two_slips_give_the_same_results_on_the_checks_jobs(table):
-    reference, slips, jobs = TABLES[table]
-    results = _results([reference] + [slip.results for slip in slips], jobs)
+    reference, slips, jobs, *context = TABLES[table]
+    context = context[0] if context else ()
+    results = [_results([reference], jobs)[0]] + _results([slip.seen.results for slip in slips], jobs, context)
     for (i, a), (j, b) in itertools.combinations(enumerate(results), 2):
-        assert _apart(a, b), f"{table}: {'the right answer' if i == 0 else slips[i - 1].message!r} and " \
-                             f"{slips[j - 1].message!r} give the same results on every job"
+        assert _apart(a, b), f"{table}: {'the right answer' if i == 0 else slips[i - 1].name!r} and " \
+                             f"{slips[j - 1].name!r} give the same results on every job"
 
 
-def _messages(slips):
-    return tuple(slip.message for slip in slips)
+def _names(slips):
+    return tuple(slip.name for slip in slips)
 
 
 def test_the_tables_jobs_are_the_checks(monkeypatch):
@@ -171,14 +176,14 @@ def test_the_tables_jobs_are_the_checks(monkeypatch):
     would prove nothing)."""
     seen, original = {}, check._name_the_slip
 
-    def spy(answer, reference, slips, jobs, show, otherwise):
-        seen[_messages(slips)] = list(jobs)
-        return original(answer, reference, slips, jobs, show, otherwise)
+    def spy(answer, reference, slips, jobs, show, otherwise, context=()):
+        seen[_names(slips)] = list(jobs)
+        return original(answer, reference, slips, jobs, show, otherwise, context)
 
     monkeypatch.setattr(check, "_name_the_slip", spy)
     with _guard.trusting_a_spy():  # the spy is the test's, not an answer's: the checks may trust it
         run()
-    assert {_messages(slips): jobs for _, slips, jobs in TABLES.values()} == seen
+    assert {_names(slips): jobs for _, slips, jobs, *_ in TABLES.values()} == seen
 
 
 CORRECT_ELSEWISE = '''

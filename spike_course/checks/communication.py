@@ -8,10 +8,8 @@ parameters (both halve a time), while a job in fp32 can."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
-
 from ..costmodel import NCCL_ALPHA  # the node's latency per ring step (the statement's DGX_STEP_LATENCY)
-from ._common import CheckFailed, close, passed
+from ._common import CheckFailed, Mistake, close, name_the_first, passed
 from ._guard import borrowing_refused
 
 # The DGX B200 of the exercise: 8 GPUs, each with 18 NVLink 5 links of 400 Gbit/s per
@@ -28,10 +26,16 @@ DGX_MODEL_PARAMS = 8.0e9  # a Llama-like 8B model
 RTOL = 1e-6
 
 
-class _Slip(NamedTuple):
-    """A known slip: what an answer with it returns for a job, and what the learner is told."""
-    results: Callable
-    message: str
+def _slip(name: str, results, message) -> Mistake:
+    """A known slip, told by its results: seen when the answer gives, on every job the check
+    runs it on, what ``results(*job, *context)`` gives (``context``: what the slip depends on
+    beyond the job, such as the learner's own fit). ``seen.results`` is kept for the test that
+    no two slips give the same results on the check's jobs."""
+    def seen(jobs, got, *context):
+        return all(close(value, results(*job, *context), RTOL, 0) for job, value in zip(jobs, got))
+
+    seen.results = results
+    return Mistake(name, seen, message)
 
 
 def _size(dtype) -> int:
@@ -72,7 +76,7 @@ def _pair(value, call: str) -> tuple[float, float]:
                           "bandwidth in bytes/s)") from None
 
 
-def _name_the_slip(answer, reference, slips, jobs, show, otherwise: str) -> None:
+def _name_the_slip(answer, reference, slips, jobs, show, otherwise: str, context=()) -> None:
     """Fail unless ``answer(*job)`` agrees with ``reference(*job)`` on every job: name the slip
     whose results are the answer's on every job, else say what is expected. ``show(job, got,
     want)`` tells the first job the answer gets wrong."""
@@ -81,23 +85,23 @@ def _name_the_slip(answer, reference, slips, jobs, show, otherwise: str) -> None
     if not wrong:
         return
     job, value = wrong[0]
-    slip = next((slip for slip in slips
-                 if all(close(value, slip.results(*job), RTOL, 0) for job, value in zip(jobs, got))), None)
-    raise CheckFailed(f"{show(job, value, reference(*job))}: {slip.message if slip else otherwise}")
+    shown = f"{show(job, value, reference(*job))}: "
+    name_the_first(slips, jobs, got, *context, before=shown)
+    raise CheckFailed(shown + otherwise)
 
 
 # Part 1, ring_from_fit(alpha, beta, n): its two numbers, each on every fit.
 STEP_LATENCY_SLIPS = (
-    _Slip(lambda a, b, n: a, "the latency per step is alpha itself. alpha is the fixed cost of the "
+    _slip("alpha is not per step", lambda a, b, n: a, "the latency per step is alpha itself. alpha is the fixed cost of the "
                              "whole all-reduce, and the ring's 2(N-1) steps each pay a share of it (hint 2)."),
-    _Slip(lambda a, b, n: a / (n - 1), "you divided alpha by N-1, the steps of one pass around the ring; an "
+    _slip("one pass of steps", lambda a, b, n: a / (n - 1), "you divided alpha by N-1, the steps of one pass around the ring; an "
                                        "all-reduce is a reduce-scatter and then an all-gather (hint 2)."),
 )
 BUS_BANDWIDTH_SLIPS = (
-    _Slip(lambda a, b, n: 1 / b, "1/beta is the algorithm bandwidth (bytes of the buffer per second), while "
+    _slip("algorithm bandwidth from the fit", lambda a, b, n: 1 / b, "1/beta is the algorithm bandwidth (bytes of the buffer per second), while "
                                  "each link carries 2(N-1)/N of the buffer in that time (hint 2). On 2 ranks "
                                  "the two are equal: your own fit could not show it."),
-    _Slip(lambda a, b, n: n / (2 * (n - 1)) / b, "the factor is upside down: each link carries more than the "
+    _slip("bus factor upside down", lambda a, b, n: n / (2 * (n - 1)) / b, "the factor is upside down: each link carries more than the "
                                                  "buffer once, so the bus bandwidth is above 1/beta (hint 2)."),
 )
 
@@ -126,25 +130,25 @@ def _check_ring(ring_from_fit, fit, world_size) -> None:
 # Part 2, predict_allreduce(num_params, grad_dtype, n, a, busbw): the latency with nothing to
 # send, then the bytes with no latency, on 8 and 4 ranks and in bf16 and fp32.
 LATENCY_SLIPS = (
-    _Slip(lambda p, d, n, a, bw: a, "the latency counts once; every one of the ring's 2(N-1) steps pays it "
+    _slip("latency once", lambda p, d, n, a, bw: a, "the latency counts once; every one of the ring's 2(N-1) steps pays it "
                                     "(hint 3)."),
-    _Slip(lambda p, d, n, a, bw: (n - 1) * a, "N-1 steps are one pass around the ring; an all-reduce is a "
+    _slip("latency of one pass", lambda p, d, n, a, bw: (n - 1) * a, "N-1 steps are one pass around the ring; an all-reduce is a "
                                               "reduce-scatter and then an all-gather (hint 3)."),
 )
 BYTES_SLIPS = (
-    _Slip(lambda p, d, n, a, bw: p * _size(d) / bw,
+    _slip("algorithm bandwidth in the prediction", lambda p, d, n, a, bw: p * _size(d) / bw,
           "that is the buffer sent once (algorithm bandwidth). At bus bandwidth each link carries 2(N-1)/N "
           "of the buffer (hint 3)."),
-    _Slip(lambda p, d, n, a, bw: (n - 1) / n * p * _size(d) / bw,
+    _slip("bytes of one pass", lambda p, d, n, a, bw: (n - 1) / n * p * _size(d) / bw,
           "each link carries (N-1)/N of the buffer: one pass around the ring, but the reduce-scatter and the "
           "all-gather each make one (hint 3)."),
-    _Slip(lambda p, d, n, a, bw: 2 * (n - 1) * p * _size(d) / bw,
+    _slip("whole buffer every step", lambda p, d, n, a, bw: 2 * (n - 1) * p * _size(d) / bw,
           "every one of the 2(N-1) steps sends the whole buffer; a step sends one chunk of it, 1/N (hint 3)."),
-    _Slip(lambda p, d, n, a, bw: 2 * (n - 1) / n * p / bw,
+    _slip("parameters not bytes", lambda p, d, n, a, bw: 2 * (n - 1) / n * p / bw,
           "you counted parameters, not bytes: the message is the gradients' bytes (hints 1 and 2)."),
-    _Slip(lambda p, d, n, a, bw: 2 * (n - 1) / n * p * 4 / bw,
+    _slip("always fp32", lambda p, d, n, a, bw: 2 * (n - 1) / n * p * 4 / bw,
           "you used 4 bytes per gradient whatever grad_dtype is; bf16 gradients are 2 bytes each (hint 2)."),
-    _Slip(lambda p, d, n, a, bw: 2 * (n - 1) / n * p * _size(d) * 8 / bw,
+    _slip("bits for bytes in the prediction", lambda p, d, n, a, bw: 2 * (n - 1) / n * p * _size(d) * 8 / bw,
           "8 times too long: bits where bytes were meant (busbw is in bytes/s; hint 2)."),
 )
 
@@ -174,16 +178,16 @@ def _check_prediction(predict_allreduce) -> None:
 
 # Part 3: the node's bus bandwidth from its datasheet, one number.
 DGX_BUSBW_SLIPS = (
-    _Slip(lambda: DGX_BUSBW / NVLINK5_LINKS,
+    _slip("one NVLink", lambda: DGX_BUSBW / NVLINK5_LINKS,
           "18 times too small: one NVLink's bandwidth. A B200 has 18 links through NVSwitch and a ring uses "
           "all of them at once (hint 1)."),
-    _Slip(lambda: DGX_BUSBW * 8, "8 times too large: 400 Gbit/s is in bits, busbw in bytes/s (hint 1)."),
-    _Slip(lambda: NVLINK5_LINK_GBIT * 1e9, "one link's 400 Gbit/s, taken as bytes: a ring over NVSwitch "
+    _slip("bits for bytes", lambda: DGX_BUSBW * 8, "8 times too large: 400 Gbit/s is in bits, busbw in bytes/s (hint 1)."),
+    _slip("one link, in bits", lambda: NVLINK5_LINK_GBIT * 1e9, "one link's 400 Gbit/s, taken as bytes: a ring over NVSwitch "
                                            "uses all 18 links, and 400 Gbit/s is in bits (hint 1)."),
-    _Slip(lambda: DGX_BUSBW * 2, "twice too large: you added the other direction (like the headline 1.8 TB/s). "
+    _slip("both directions", lambda: DGX_BUSBW * 2, "twice too large: you added the other direction (like the headline 1.8 TB/s). "
                                  "400 Gbit/s is one direction of a link already; a ring sends and receives at "
                                  "once, so one direction bounds it (hint 1)."),
-    _Slip(lambda: DGX_BUSBW / 2, "half of it: 400 Gbit/s is what a link carries in each direction; a "
+    _slip("a direction split in two", lambda: DGX_BUSBW / 2, "half of it: 400 Gbit/s is what a link carries in each direction; a "
                                  "ring's sending does not take from its receiving (hint 1)."),
 )
 
@@ -198,39 +202,43 @@ def _check_busbw(dgx_busbw) -> None:
                    "not what bounds a GPU's ring traffic through NVSwitch (hint 1).")
 
 
-def _dgx_slips(own_latency, own_busbw, world_size) -> list[_Slip]:
-    """dgx_allreduce_seconds(num_params, grad_dtype, gpus) with each known slip, given part 2's
-    prediction; ``own_latency``, ``own_busbw``: the ring of the learner's fit on ``world_size``."""
-    def node(p, d, n, size=None, latency=NCCL_ALPHA, busbw=DGX_BUSBW):
-        return _predict(p, _size(d) if size is None else size, n, latency, busbw)
+def _node(p, d, n, size=None, latency=NCCL_ALPHA, busbw=DGX_BUSBW):
+    """Part 2's prediction with the node's numbers, or with one of them changed."""
+    return _predict(p, _size(d) if size is None else size, n, latency, busbw)
 
-    return [
-        _Slip(lambda p, d, n: node(p, d, n, size=4), "4 bytes per gradient whatever grad_dtype is: bf16 "
-                                                     "gradients are 2 bytes each (hint 2)."),
-        _Slip(lambda p, d, n: node(p, d, n, size=2), "bf16 whatever grad_dtype is: the function is asked for "
-                                                     "fp32 gradients too (hint 2)."),
-        _Slip(lambda p, d, n: node(p * _size(d), d, n), "the bytes are counted twice: predict_allreduce takes "
-                                                        "the number of parameters (hint 2)."),
-        _Slip(lambda p, d, n: node(p, d, n, size=1), "you counted parameters, not bytes: the message is the "
-                                                     "gradients' bytes (hint 2)."),
-        _Slip(lambda p, d, n: 2 * (n - 1) * NCCL_ALPHA + p * _size(d) / DGX_BUSBW,
-              "that is the buffer sent once (algorithm bandwidth); at bus bandwidth each link carries 2(N-1)/N "
-              "of it (hint 2)."),
-        _Slip(lambda p, d, n: node(p, d, 8), "the same on 4 GPUs as on 8: the ring has `gpus` ranks (hint 2)."),
-        _Slip(lambda p, d, n: node(p, d, world_size), f"a ring of {world_size} ranks whatever `gpus` is: the "
-                                                      "number of ranks of your own measurement (hint 2)."),
-        _Slip(lambda p, d, n: node(p, d, n, latency=own_latency, busbw=own_busbw),
-              "that is this machine's ring, from your fit: the node's latency per step and bus bandwidth are "
-              "its own (hint 2)."),
-        _Slip(lambda p, d, n: node(p, d, n, latency=own_latency),
-              "the latency per step is this machine's, from your fit: the node's is DGX_STEP_LATENCY (hint 2)."),
-        _Slip(lambda p, d, n: node(DGX_MODEL_PARAMS, d, n), "the 8B model whatever num_params is (hint 2)."),
-    ]
+
+# dgx_allreduce_seconds(num_params, grad_dtype, gpus) with each known slip: each takes the job and
+# the context (own_latency, own_busbw, world_size), the ring of the learner's fit on world_size ranks.
+DGX_SLIPS = (
+    _slip("fp32 gradients on the DGX", lambda p, d, n, *own: _node(p, d, n, size=4),
+          "4 bytes per gradient whatever grad_dtype is: bf16 gradients are 2 bytes each (hint 2)."),
+    _slip("bf16 whatever the dtype", lambda p, d, n, *own: _node(p, d, n, size=2),
+          "bf16 whatever grad_dtype is: the function is asked for fp32 gradients too (hint 2)."),
+    _slip("bytes passed as parameters", lambda p, d, n, *own: _node(p * _size(d), d, n),
+          "the bytes are counted twice: predict_allreduce takes the number of parameters (hint 2)."),
+    _slip("parameters not bytes on the DGX", lambda p, d, n, *own: _node(p, d, n, size=1),
+          "you counted parameters, not bytes: the message is the gradients' bytes (hint 2)."),
+    _slip("algorithm bandwidth on the DGX", lambda p, d, n, *own: 2 * (n - 1) * NCCL_ALPHA + p * _size(d) / DGX_BUSBW,
+          "that is the buffer sent once (algorithm bandwidth); at bus bandwidth each link carries 2(N-1)/N of it "
+          "(hint 2)."),
+    _slip("always 8 GPUs", lambda p, d, n, *own: _node(p, d, 8),
+          "the same on 4 GPUs as on 8: the ring has `gpus` ranks (hint 2)."),
+    _slip("the measurement's world size", lambda p, d, n, latency, busbw, world_size: _node(p, d, world_size),
+          lambda jobs, got, latency, busbw, world_size: f"a ring of {world_size} ranks whatever `gpus` is: the "
+                                                         "number of ranks of your own measurement (hint 2)."),
+    _slip("this machine's ring", lambda p, d, n, latency, busbw, world: _node(p, d, n, latency=latency, busbw=busbw),
+          "that is this machine's ring, from your fit: the node's latency per step and bus bandwidth are its own "
+          "(hint 2)."),
+    _slip("this machine's latency", lambda p, d, n, latency, busbw, world: _node(p, d, n, latency=latency),
+          "the latency per step is this machine's, from your fit: the node's is DGX_STEP_LATENCY (hint 2)."),
+    _slip("the 8B model whatever", lambda p, d, n, *own: _node(DGX_MODEL_PARAMS, d, n),
+          "the 8B model whatever num_params is (hint 2)."),
+)
 
 
 def _check_dgx(dgx_allreduce_seconds, own_ring, world_size) -> None:
     """Latency alone (0 parameters) on 8 and 4 GPUs, then the 8B model in bf16 and fp32 on 8 GPUs,
-    and in bf16 on 4: every slip of _dgx_slips changes one of these, each differently."""
+    and in bf16 on 4: every slip of DGX_SLIPS changes one of these, each differently."""
     import torch
 
     def answer(p, d, n):
@@ -243,9 +251,9 @@ def _check_dgx(dgx_allreduce_seconds, own_ring, world_size) -> None:
 
     jobs = [(0, torch.bfloat16, 8), (0, torch.bfloat16, 4), (DGX_MODEL_PARAMS, torch.bfloat16, 8),
             (DGX_MODEL_PARAMS, torch.float32, 8), (DGX_MODEL_PARAMS, torch.bfloat16, 4)]
-    _name_the_slip(answer, lambda p, d, n: _predict(p, _size(d), n, NCCL_ALPHA, DGX_BUSBW),
-                   _dgx_slips(*own_ring, world_size), jobs, show,
-                   "the node's all-reduce is part 2's prediction with the node's numbers (hint 2).")
+    _name_the_slip(answer, _node, DGX_SLIPS, jobs, show,
+                   "the node's all-reduce is part 2's prediction with the node's numbers (hint 2).",
+                   context=(*own_ring, world_size))
 
 
 def check_dgx_prediction(ring_from_fit, predict_allreduce, dgx_busbw, dgx_allreduce_seconds, fit,
