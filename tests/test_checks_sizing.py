@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from spike_course import costmodel, exercises
-from spike_course.checks import CheckFailed, check_job_plan
+from spike_course.checks import CheckFailed, check_job_plan, sizing
+from named import mistake_of, names
 
 import course_files
 
@@ -60,13 +61,33 @@ MISTAKES = {
                                       "not divided by tp"),
     "tp straddles nodes": ("(1, 2, 4, 8) if t <= per_node", "(1, 3) if t <= per_node",
                            "straddle two nodes"),
+    # the rest of the check's tables: wrong figures reported for a right plan, or plans past the cluster
+    "only the parameters counted": ('"states_bytes": states,', '"states_bytes": states / 4,', "only the parameters"),
+    "gradients forgotten": ('"states_bytes": states,', '"states_bytes": states * 3 / 4,', "gradients are forgotten"),
+    "states not divided by dp": ('"states_bytes": states,', '"states_bytes": states * dp,', "not divided by dp"),
+    # told apart from the global batch's where tp > 1 (with tp = 1 the two are the same figure)
+    "activations of every GPU": ('"activation_bytes": acts,', '"activation_bytes": acts if tp == 1 else costmodel.'
+                                 'activation_bytes(micro_batch * gpus, seq, dim, hidden, layers, heads, vocab, "bf16")'
+                                 ' / tp,', "every GPU's micro-batch"),
+    "activations in fp32": ('"bf16") / tp', '"fp32") / tp', "counted in fp32"),
+    "work not shared": ("/ (gpus * rate)\n                    return", "/ rate\n                    return",
+                        "not shared among the GPUs"),
+    "tp's GPUs not sharing the work": ("/ (gpus * rate)\n                    return",
+                                       "/ (dp * rate)\n                    return", "tensor parallel's GPUs"),
+    "more GPUs than the cluster lends": ("    for gpus in counts:",
+                                         '    for gpus in [g + cluster["max_gpus"] for g in counts if g >= per_node]:',
+                                         "lends at most 256 GPUs"),
+    "not whole nodes": ("list(range(per_node, cluster", "list(range(per_node + 4, cluster", "not whole nodes"),
 }
+
+
+CHECK_MODULE, PLANTS = sizing, MISTAKES  # tests/named.py
 
 
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_each_mistake_is_named(name):
     old, new, message = MISTAKES[name]
-    with pytest.raises(CheckFailed, match=message):
+    with names(mistake_of(name), says=message):
         check_job_plan(planted(old, new))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ._common import CheckFailed, passed
+from ._common import CheckFailed, Mistake, name_the_first, passed
 from ._guard import borrowing_refused
 
 CLUSTER = {"gpus_per_node": 8, "gpu_memory": 180e9, "usable": 0.9, "peak": 2.25e15, "mfu": 0.40,
@@ -69,11 +69,6 @@ def _near(value, want, rtol) -> bool:
     return math.isclose(float(value), float(want), rel_tol=rtol, abs_tol=0.0)
 
 
-def _slip(got, mistakes, rtol) -> str | None:
-    """The message of the first (value, message) of ``mistakes`` whose value ``got`` equals."""
-    return next((message for value, message in mistakes if _near(got, value, rtol)), None)
-
-
 def _facts(shape, seq):
     from ..costmodel import activation_bytes, transformer_params
 
@@ -119,132 +114,187 @@ def check_job_plan(plan_job) -> None:
            "and the cost model, fit, and meet their deadlines with no node to spare")
 
 
+class _Plan:
+    """One plan_job answer and what the check measures of it, filled in step by step: the
+    layout's states per rank, the cost model's activations, step time and hours."""
+
+    def __init__(self, plan, name, shape, seq, tokens, deadline):
+        self.plan, self.shape, self.seq, self.tokens, self.deadline = plan, shape, seq, tokens, deadline
+        self.gpus, self.dp, self.tp, self.micro = plan["gpus"], plan["dp"], plan["tp"], plan["micro_batch"]
+        self.where = f"{name} (plan: {self.gpus} GPUs, dp {self.dp} x tp {self.tp}, micro-batch {self.micro})"
+        self.params, self.acts = _facts(shape, seq)
+        self.per_node, self.budget = CLUSTER["gpus_per_node"], CLUSTER["usable"] * CLUSTER["gpu_memory"]
+
+    def got(self, key) -> float:
+        return float(self.plan[key])
+
+    def states_off_by(self, factor) -> bool:
+        """Whether the plan's states are ``factor`` x the layout's, within the layout's slack."""
+        return factor != 1 and abs(self.got("states_bytes") / self.measured - factor) <= self.slack * factor + 1e-9
+
+    @property
+    def step_tokens(self) -> int:
+        return self.micro * self.seq * self.dp
+
+    @property
+    def want_step(self) -> float:
+        """6 N tokens / (GPUs x peak x MFU): one step's seconds."""
+        return 6 * self.params * self.step_tokens / (self.gpus * CLUSTER["peak"] * CLUSTER["mfu"])
+
+    @property
+    def hours(self) -> float:
+        return self.want_step * self.tokens / self.step_tokens / 3600
+
+    @property
+    def fewer(self) -> int:
+        """The next smaller request: a node less, or inside one node half of its GPUs."""
+        return self.gpus - self.per_node if self.gpus > self.per_node else self.gpus // 2
+
+
 def _check_one(plan_job, name, shape, seq, tokens, deadline) -> None:
-    plan = _plan(plan_job, name, shape, seq, tokens, deadline)
-    gpus, dp, tp, micro = plan["gpus"], plan["dp"], plan["tp"], plan["micro_batch"]
-    where = f"{name} (plan: {gpus} GPUs, dp {dp} x tp {tp}, micro-batch {micro})"
-    _check_mesh(where, gpus, dp, tp)
-    params, acts = _facts(shape, seq)
-    states = _check_states(where, plan, shape, params)
-    _check_activations(where, plan, acts, states)
-    hours = _check_time(where, plan, params, seq, tokens, deadline)
-    _check_no_spare(where, plan, params, acts, hours, deadline)
+    p = _Plan(_plan(plan_job, name, shape, seq, tokens, deadline), name, shape, seq, tokens, deadline)
+    name_the_first(MESH_MISTAKES, p, before=f"{p.where}: ")
+    _check_states(p)
+    _check_activations(p)
+    _check_time(p)
+    name_the_first((SPARE_NODE,), p, before=f"{p.where}: ")
 
 
-def _check_mesh(where, gpus, dp, tp) -> None:
-    """The mesh multiplies to the request, tp stays inside a node, the request is whole nodes."""
-    per_node = CLUSTER["gpus_per_node"]
-    if dp * tp != gpus:
-        raise CheckFailed(f"{where}: the mesh has dp x tp = {dp * tp} ranks, but the job asks for {gpus} GPUs. "
-                          "torchrun starts one rank per GPU, and init_device_mesh refuses a mesh that does "
-                          "not multiply to the world size (Hint 1).")
-    if tp > per_node:
-        raise CheckFailed(f"{where}: tensor parallel across nodes. A tp group of {tp} spans more than one "
-                          f"node of {per_node} GPUs, so its all-reduces, four per layer on the critical path, go "
-                          "over InfiniBand at less than half of NVLink's bandwidth, where async TP cannot hide them "
-                          "(section 3 of the lecture, 'Where tensor parallel stops paying').")
-    if per_node % tp:
-        raise CheckFailed(f"{where}: tp = {tp} does not divide the {per_node} GPUs of a node, so some tp "
-                          "groups straddle two nodes (lecture section 2: tp groups are consecutive ranks).")
-    if gpus > CLUSTER["max_gpus"]:
-        raise CheckFailed(f"{where}: the cluster lends at most {CLUSTER['max_gpus']} GPUs to one job.")
-    if gpus > per_node and gpus % per_node:
-        raise CheckFailed(f"{where}: {gpus} GPUs are not whole nodes; a multi-node job asks for pods of "
-                          f"{per_node} GPUs (lecture section 4).")
+# The mesh multiplies to the request, tp stays inside a node, the request is whole nodes.
+MESH_MISTAKES = (
+    Mistake("mesh does not multiply to the GPU count", lambda p: p.dp * p.tp != p.gpus,
+            lambda p: f"the mesh has dp x tp = {p.dp * p.tp} ranks, but the job asks for {p.gpus} GPUs. torchrun "
+                      "starts one rank per GPU, and init_device_mesh refuses a mesh that does not multiply to the "
+                      "world size (Hint 1)."),
+    Mistake("tensor parallel across nodes", lambda p: p.tp > p.per_node,
+            lambda p: f"tensor parallel across nodes. A tp group of {p.tp} spans more than one node of "
+                      f"{p.per_node} GPUs, so its all-reduces, four per layer on the critical path, go over "
+                      "InfiniBand at less than half of NVLink's bandwidth, where async TP cannot hide them "
+                      "(section 3 of the lecture, 'Where tensor parallel stops paying')."),
+    Mistake("tp straddles nodes", lambda p: p.per_node % p.tp != 0,
+            lambda p: f"tp = {p.tp} does not divide the {p.per_node} GPUs of a node, so some tp groups straddle "
+                      "two nodes (lecture section 2: tp groups are consecutive ranks)."),
+    Mistake("more GPUs than the cluster lends", lambda p: p.gpus > CLUSTER["max_gpus"],
+            f"the cluster lends at most {CLUSTER['max_gpus']} GPUs to one job."),
+    Mistake("not whole nodes", lambda p: p.gpus > p.per_node and p.gpus % p.per_node != 0,
+            lambda p: f"{p.gpus} GPUs are not whole nodes; a multi-node job asks for pods of {p.per_node} GPUs "
+                      "(lecture section 4)."),
+)
 
 
-def _check_states(where, plan, shape, params) -> float:
-    """The model states per rank against the plan laid out on the fake group; returns them."""
-    gpus, dp, tp, per_node = plan["gpus"], plan["dp"], plan["tp"], CLUSTER["gpus_per_node"]
-    held, tp_group = _layout_bytes(shape, dp, tp)
-    assert len({rank // per_node for rank in tp_group}) == 1, tp_group  # the check's own layout
-    measured = 4 * held  # gradients and Adam's two moments have the fp32 parameters' shards
-    even = STATE_BYTES * params / gpus  # the ZeRO-3 formula: every parameter split over all GPUs
-    low, high = min(measured, even) - 1, max(measured, even) + 1  # padding, replicated norms
-    got = float(plan["states_bytes"])
-    if not low <= got <= high:
-        slack = (high - low) / measured
-        mistakes = [(0.5, "the optimizer's bytes are forgotten: Adam keeps two moments per parameter, "
-                          "as many bytes again as the parameters and gradients together"),
-                    (0.25, "only the parameters are counted: gradients and Adam's moments are missing"),
-                    (0.75, "the gradients are forgotten"),
-                    (tp, "the states are not divided by tp: tensor parallel splits the parameters too"),
-                    (dp, "the states are not divided by dp: FSDP shards them over the dp ranks")]
-        for factor, message in mistakes:
-            if factor != 1 and abs(got / measured - factor) <= slack * factor + 1e-9:
-                raise CheckFailed(f"{where}: states_bytes = {got / 1e9:.3f} GB, the layout on the fake group "
-                                  f"holds {measured / 1e9:.3f} GB per rank: {message} (Hint 2).")
-        raise CheckFailed(f"{where}: states_bytes = {got / 1e9:.3f} GB per rank, but the plan laid out on "
-                          f"the fake group holds {measured / 1e9:.3f} GB (the formula gives "
+def _states_slip(name, factor, what) -> Mistake:
+    """States that are ``factor(p)`` x the layout's: ``what`` is left out."""
+    return Mistake(name, lambda p: p.states_off_by(factor(p)),
+                   lambda p: f"states_bytes = {p.got('states_bytes') / 1e9:.3f} GB, the layout on the fake group "
+                             f"holds {p.measured / 1e9:.3f} GB per rank: {what} (Hint 2).")
+
+
+STATE_SLIPS = (
+    _states_slip("optimizer bytes forgotten", lambda p: 0.5, "the optimizer's bytes are forgotten: Adam keeps two "
+                 "moments per parameter, as many bytes again as the parameters and gradients together"),
+    _states_slip("only the parameters counted", lambda p: 0.25,
+                 "only the parameters are counted: gradients and Adam's moments are missing"),
+    _states_slip("gradients forgotten", lambda p: 0.75, "the gradients are forgotten"),
+    _states_slip("states not divided by tp", lambda p: p.tp,
+                 "the states are not divided by tp: tensor parallel splits the parameters too"),
+    _states_slip("states not divided by dp", lambda p: p.dp,
+                 "the states are not divided by dp: FSDP shards them over the dp ranks"),
+)
+
+
+def _check_states(p: _Plan) -> None:
+    """The model states per rank against the plan laid out on the fake group."""
+    held, tp_group = _layout_bytes(p.shape, p.dp, p.tp)
+    assert len({rank // p.per_node for rank in tp_group}) == 1, tp_group  # the check's own layout
+    p.measured = 4 * held  # gradients and Adam's two moments have the fp32 parameters' shards
+    even = STATE_BYTES * p.params / p.gpus  # the ZeRO-3 formula: every parameter split over all GPUs
+    low, high = min(p.measured, even) - 1, max(p.measured, even) + 1  # padding, replicated norms
+    if not low <= p.got("states_bytes") <= high:
+        p.slack = (high - low) / p.measured
+        name_the_first(STATE_SLIPS, p, before=f"{p.where}: ")
+        raise CheckFailed(f"{p.where}: states_bytes = {p.got('states_bytes') / 1e9:.3f} GB per rank, but the plan "
+                          f"laid out on the fake group holds {p.measured / 1e9:.3f} GB (the formula gives "
                           f"{even / 1e9:.3f} GB) (Hint 2).")
-    return measured
 
 
-def _check_activations(where, plan, acts, measured) -> None:
+def _activation_slip(name, value, what) -> Mistake:
+    """Activations that are ``value(p)`` where one micro-batch's on one rank are expected."""
+    return Mistake(name, lambda p: _near(p.got("activation_bytes"), value(p), 1e-9),
+                   lambda p: f"activation_bytes = {p.got('activation_bytes') / 1e9:.3f} GB, expected "
+                             f"{p.acts(p.micro) / p.tp / 1e9:.3f} GB per rank: {what} (Hint 2).")
+
+
+ACTIVATION_SLIPS = (
+    _activation_slip("activations of the global batch", lambda p: p.acts(p.micro * p.dp) / p.tp,
+                     "counted for the global batch (one micro-batch per dp rank): each rank holds the activations "
+                     "of its own micro-batch only"),
+    _activation_slip("activations of every GPU", lambda p: p.acts(p.micro * p.gpus) / p.tp,
+                     "counted for every GPU's micro-batch at once: each rank holds its own micro-batch's "
+                     "activations only"),
+    _activation_slip("activations not divided by tp", lambda p: p.acts(p.micro),
+                     "not divided by tp: tensor parallel (with sequence parallel) splits the activations over the "
+                     "tp group"),
+    _activation_slip("activations in fp32", lambda p: p.acts(p.micro, "fp32") / p.tp,
+                     "counted in fp32: the job computes in bf16"),
+)
+
+DOES_NOT_FIT = Mistake(
+    "does not fit", lambda p: p.measured + p.acts(p.micro) / p.tp > p.budget,
+    lambda p: f"does not fit: {(p.measured + p.acts(p.micro) / p.tp) / 1e9:.0f} GB per GPU of states and "
+              f"activations, more than the {p.budget / 1e9:.0f} GB usable of a B200 (chapter 11: USABLE). The job "
+              "would stop with an out-of-memory error at its first step (Hint 1).")
+
+
+def _check_activations(p: _Plan) -> None:
     """One micro-batch's activations on one rank, and whether the plan fits."""
-    gpus, dp, tp, micro = plan["gpus"], plan["dp"], plan["tp"], plan["micro_batch"]
-    want = acts(micro) / tp
-    got = float(plan["activation_bytes"])
-    if not _near(got, want, 1e-9):
-        mistakes = [(acts(micro * dp) / tp, "counted for the global batch (one micro-batch per dp rank): "
-                                            "each rank holds the activations of its own micro-batch only"),
-                    (acts(micro * gpus) / tp, "counted for every GPU's micro-batch at once: each rank holds "
-                                              "its own micro-batch's activations only"),
-                    (acts(micro), "not divided by tp: tensor parallel (with sequence parallel) splits "
-                                  "the activations over the tp group"),
-                    (acts(micro, "fp32") / tp, "counted in fp32: the job computes in bf16")]
-        message = _slip(got, mistakes, 1e-9)
-        if message:
-            raise CheckFailed(f"{where}: activation_bytes = {got / 1e9:.3f} GB, expected {want / 1e9:.3f} "
-                              f"GB per rank: {message} (Hint 2).")
-        raise CheckFailed(f"{where}: activation_bytes = {got / 1e9:.3f} GB, the cost model gives "
-                          f"{want / 1e9:.3f} GB for one micro-batch of {micro} on one rank (Hint 2).")
-    budget = CLUSTER["usable"] * CLUSTER["gpu_memory"]
-    if measured + want > budget:
-        raise CheckFailed(f"{where}: does not fit: {(measured + want) / 1e9:.0f} GB per GPU of states and "
-                          f"activations, more than the {budget / 1e9:.0f} GB usable of a B200 (chapter 11: "
-                          "USABLE). The job would stop with an out-of-memory error at its first step (Hint 1).")
+    want = p.acts(p.micro) / p.tp
+    if not _near(p.got("activation_bytes"), want, 1e-9):
+        name_the_first(ACTIVATION_SLIPS, p, before=f"{p.where}: ")
+        raise CheckFailed(f"{p.where}: activation_bytes = {p.got('activation_bytes') / 1e9:.3f} GB, the cost model "
+                          f"gives {want / 1e9:.3f} GB for one micro-batch of {p.micro} on one rank (Hint 2).")
+    name_the_first((DOES_NOT_FIT,), p, before=f"{p.where}: ")
 
 
-def _check_time(where, plan, params, seq, tokens, deadline) -> float:
-    """Step time and hours, 6 N tokens / (GPUs x peak x MFU), and the deadline; returns the hours."""
-    gpus, dp, tp, micro = plan["gpus"], plan["dp"], plan["tp"], plan["micro_batch"]
-    rate = CLUSTER["peak"] * CLUSTER["mfu"]
-    step_tokens = micro * seq * dp
-    want_step = 6 * params * step_tokens / (gpus * rate)
-    got = float(plan["step_seconds"])
-    if not _near(got, want_step, 1e-6):
-        mistakes = [(want_step * CLUSTER["mfu"], "the GPUs' peak is used as their speed: at the measured MFU "
-                                                  "they deliver only that share of it"),
-                    (want_step / dp, "one micro-batch per step: each of the dp ranks processes its own "
-                                     "micro-batch, so a step trains on dp of them"),
-                    (want_step * gpus, "the step's work is not shared among the GPUs"),
-                    (want_step * tp, "tensor parallel's GPUs are not counted as sharing the work of "
-                                     "their micro-batch")]
-        message = _slip(got, mistakes, 1e-6)
-        if message:
-            raise CheckFailed(f"{where}: step_seconds = {got:.4g} s, expected {want_step:.4g} s: "
-                              f"{message} (Hint 2).")
-        raise CheckFailed(f"{where}: step_seconds = {got:.4g} s; 6 N x the step's tokens / (GPUs x peak x "
-                          f"MFU) gives {want_step:.4g} s (Hint 2).")
-    want_hours = want_step * tokens / step_tokens / 3600
-    if not _near(plan["hours"], want_hours, 1e-6):
-        raise CheckFailed(f"{where}: hours = {float(plan['hours']):.4g}, but {tokens:.3g} tokens in steps of "
-                          f"{step_tokens:,} tokens at {want_step:.4g} s each take {want_hours:.4g} h (Hint 2).")
-    if want_hours > deadline:
-        raise CheckFailed(f"{where}: misses the deadline: {want_hours:.0f} h for a deadline of {deadline} h "
-                          "(Hint 1).")
-    return want_hours
+def _step_slip(name, factor, what) -> Mistake:
+    """A step time ``factor(p)`` x the right one."""
+    return Mistake(name, lambda p: _near(p.got("step_seconds"), p.want_step * factor(p), 1e-6),
+                   lambda p: f"step_seconds = {p.got('step_seconds'):.4g} s, expected {p.want_step:.4g} s: {what} "
+                             "(Hint 2).")
 
 
-def _check_no_spare(where, plan, params, acts, hours, deadline) -> None:
-    """No node (or, inside one node, no half of the GPUs) to spare."""
-    gpus, tp, per_node = plan["gpus"], plan["tp"], CLUSTER["gpus_per_node"]
-    budget = CLUSTER["usable"] * CLUSTER["gpu_memory"]
-    fewer = gpus - per_node if gpus > per_node else gpus // 2
-    if fewer >= tp and fewer % tp == 0:
-        fits = STATE_BYTES * params / fewer + acts(1) / tp <= budget
-        if fits and hours * gpus / fewer <= deadline:
-            raise CheckFailed(f"{where}: {fewer} GPUs would also meet the {deadline} h deadline "
-                              f"({hours * gpus / fewer:.0f} h) and fit: the request asks for more than "
-                              "the job needs, and a bigger request waits longer in the queue (Hint 1).")
+STEP_SLIPS = (
+    _step_slip("peak instead of MFU", lambda p: CLUSTER["mfu"], "the GPUs' peak is used as their speed: at the "
+               "measured MFU they deliver only that share of it"),
+    _step_slip("one micro-batch per step", lambda p: 1 / p.dp, "one micro-batch per step: each of the dp ranks "
+               "processes its own micro-batch, so a step trains on dp of them"),
+    _step_slip("work not shared", lambda p: p.gpus, "the step's work is not shared among the GPUs"),
+    _step_slip("tp's GPUs not sharing the work", lambda p: p.tp,
+               "tensor parallel's GPUs are not counted as sharing the work of their micro-batch"),
+)
+
+MISSES_THE_DEADLINE = Mistake(
+    "misses the deadline", lambda p: p.hours > p.deadline,
+    lambda p: f"misses the deadline: {p.hours:.0f} h for a deadline of {p.deadline} h (Hint 1).")
+
+
+def _check_time(p: _Plan) -> None:
+    """Step time and hours, 6 N tokens / (GPUs x peak x MFU), and the deadline."""
+    if not _near(p.got("step_seconds"), p.want_step, 1e-6):
+        name_the_first(STEP_SLIPS, p, before=f"{p.where}: ")
+        raise CheckFailed(f"{p.where}: step_seconds = {p.got('step_seconds'):.4g} s; 6 N x the step's tokens / "
+                          f"(GPUs x peak x MFU) gives {p.want_step:.4g} s (Hint 2).")
+    if not _near(p.plan["hours"], p.hours, 1e-6):
+        raise CheckFailed(f"{p.where}: hours = {p.got('hours'):.4g}, but {p.tokens:.3g} tokens in steps of "
+                          f"{p.step_tokens:,} tokens at {p.want_step:.4g} s each take {p.hours:.4g} h (Hint 2).")
+    name_the_first((MISSES_THE_DEADLINE,), p, before=f"{p.where}: ")
+
+
+# No node (or, inside one node, no half of the GPUs) to spare.
+SPARE_NODE = Mistake(
+    "a node to spare",
+    lambda p: (p.fewer >= p.tp and p.fewer % p.tp == 0
+               and STATE_BYTES * p.params / p.fewer + p.acts(1) / p.tp <= p.budget
+               and p.hours * p.gpus / p.fewer <= p.deadline),
+    lambda p: f"{p.fewer} GPUs would also meet the {p.deadline} h deadline ({p.hours * p.gpus / p.fewer:.0f} h) and "
+              "fit: the request asks for more than the job needs, and a bigger request waits longer in the queue "
+              "(Hint 1).")
