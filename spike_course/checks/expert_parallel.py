@@ -3,7 +3,7 @@ over the ranks (top-2 routing, several experts per rank, a capacity), forward an
 
 from __future__ import annotations
 
-from ._common import CheckFailed, launch_reports, passed
+from ._common import CheckFailed, Mistake, launch_reports, name_the_first, passed
 
 U = 2.0 ** -53  # float64's unit roundoff
 
@@ -67,66 +67,91 @@ def _on_rank(rows, per_rank, rank):
     return sorted(r for e, v in rows.items() if e // per_rank == rank for r in v)
 
 
-def _placement_mistake(given, right, world, per_rank) -> str | None:
-    """The right assignments, sent to the wrong rank or the wrong expert on it (or None)."""
-    if all(given[e] == _on_rank(right, per_rank, e // per_rank) for e in right):
-        return ("each expert was given every row that came to its rank, its own and its neighbours': an "
-                "expert runs on its own rows only (a real layer would pay the expert compute "
-                f"{per_rank} times over). See hint 2.")
-    ranks = [d for d in range(world) if _on_rank(given, per_rank, d) != _on_rank(right, per_rank, d)]
-    if sorted(r for v in given.values() for r in v) == sorted(r for v in right.values() for r in v):
-        if not ranks:
-            return ("the rows reach the right rank but the wrong expert on it: rows from every rank arrive "
-                    "mixed, for any of its experts, and a row alone does not say which. See hint 1.")
-        return (f"rows reach the wrong rank: rank {ranks[0]}'s experts were given rows routed to experts "
-                f"of other ranks. Expert e lives on rank e // {per_rank}, as its experts[e % {per_rank}]. "
-                "See hint 1.")
-    starved = [e for e in right if right[e] and not given[e]]
-    if starved and min(starved) >= per_rank and all(given[e] == right[e] for e in right if e not in starved):
-        return (f"experts {starved} were given none of the rows routed to them, while the others got exactly "
-                "theirs: a global expert id was compared with an index into `experts`. On rank 0 the two "
-                "are the same number, on the other ranks they are not. See hint 1.")
-    return None
+class _Routing:
+    """The rows each expert was given (``given``) against those it should have been (``right``),
+    both {expert: sorted (source rank, token)}, on ``world`` ranks of ``per_rank`` experts."""
+
+    def __init__(self, reports, world):
+        self.reports, self.world, self.per_rank = reports, world, reports[0]["per_rank"]
+        self.capacity = reports[0]["capacity"]
+        self.given, self.right = _given_to(reports, world), _expected(reports, world, "first choices first")
+
+    def given_by(self, rule) -> bool:
+        """Whether the experts were given what ``rule`` (one of kept_assignments') sends them."""
+        return self.given == _expected(self.reports, self.world, rule)
+
+    @property
+    def same_rows(self) -> bool:
+        """The right rows were sent, to whichever expert."""
+        return sorted(r for v in self.given.values() for r in v) == sorted(r for v in self.right.values() for r in v)
+
+    @property
+    def wrong_ranks(self) -> list[int]:
+        return [d for d in range(self.world)
+                if _on_rank(self.given, self.per_rank, d) != _on_rank(self.right, self.per_rank, d)]
+
+    @property
+    def starved(self) -> list[int]:
+        """The experts given none of their rows, where every other expert got exactly its own."""
+        starved = [e for e in self.right if self.right[e] and not self.given[e]]
+        others_right = all(self.given[e] == self.right[e] for e in self.right if e not in starved)
+        return starved if starved and min(starved) >= self.per_rank and others_right else []
+
+    @property
+    def over_capacity(self) -> list[tuple[int, int]]:
+        """(expert, source rank) pairs where the expert took more than its capacity of the rank's tokens."""
+        return [(e, src) for e, rows in self.given.items() for src in range(self.world)
+                if sum(1 for s, _ in rows if s == src) > self.capacity]
 
 
-def _selection_mistake(given, reports, world) -> str | None:
-    """The wrong assignments accepted, or the wrong rows sent for them (or None)."""
-    capacity = reports[0]["capacity"]
-    over = [(e, src) for e, rows in given.items() for src in range(world)
-            if sum(1 for s, _ in rows if s == src) > capacity]
-    if given == _expected(reports, world, "no capacity") or over:
-        e, src = over[0] if over else (0, 0)
-        return (f"the capacity is not applied: expert {e} was given more than {capacity} of rank {src}'s tokens. "
-                "Each expert accepts at most `capacity` of a rank's assignments; the rest are dropped "
-                "before the dispatch. See hint 1.")
-    if given == _expected(reports, world, "token order"):
-        return ("the wrong assignments are dropped: the experts kept them in token order (both choices of "
-                "token 0, then token 1, ...). First choices come before every second choice. See hint 1.")
-    if given == _expected(reports, world, "first choices only"):
-        return "the second choices are ignored: every token goes to its top 2 experts. See hint 1."
-    if given == _expected(reports, world, "tokens out of step"):
-        return ("each expert was given as many rows as it accepted, but the wrong tokens: the token ids are "
-                "laid out token by token (0, 0, 1, 1, ...), the experts choice by choice, so the i-th row "
-                "sent is not the i-th assignment's token. See hint 2.")
-    return None
+# What is wrong with the rows the experts were given: where they went, then which were sent.
+ROUTING_MISTAKES = (
+    Mistake("nothing dispatched", lambda r: not any(r.given.values()),
+            "no expert was given any row: the tokens were never dispatched to their experts. See hint 3."),
+    Mistake("every expert runs on every row",
+            lambda r: all(r.given[e] == _on_rank(r.right, r.per_rank, e // r.per_rank) for e in r.right),
+            lambda r: "each expert was given every row that came to its rank, its own and its neighbours': an "
+                      "expert runs on its own rows only (a real layer would pay the expert compute "
+                      f"{r.per_rank} times over). See hint 2."),
+    Mistake("expert index not sent", lambda r: r.same_rows and not r.wrong_ranks,
+            "the rows reach the right rank but the wrong expert on it: rows from every rank arrive mixed, for "
+            "any of its experts, and a row alone does not say which. See hint 1."),
+    Mistake("sent to the wrong rank", lambda r: r.same_rows,
+            lambda r: f"rows reach the wrong rank: rank {r.wrong_ranks[0]}'s experts were given rows routed to "
+                      f"experts of other ranks. Expert e lives on rank e // {r.per_rank}, as its "
+                      f"experts[e % {r.per_rank}]. See hint 1."),
+    Mistake("global id compared with local index", lambda r: bool(r.starved),
+            lambda r: f"experts {r.starved} were given none of the rows routed to them, while the others got "
+                      "exactly theirs: a global expert id was compared with an index into `experts`. On rank 0 the "
+                      "two are the same number, on the other ranks they are not. See hint 1."),
+    Mistake("capacity not applied", lambda r: r.given_by("no capacity") or bool(r.over_capacity),
+            lambda r: "the capacity is not applied: expert {0} was given more than {2} of rank {1}'s tokens. Each "
+                      "expert accepts at most `capacity` of a rank's assignments; the rest are dropped before the "
+                      "dispatch. See hint 1.".format(*(r.over_capacity or [(0, 0)])[0], r.capacity)),
+    Mistake("dropped in token order", lambda r: r.given_by("token order"),
+            "the wrong assignments are dropped: the experts kept them in token order (both choices of token 0, "
+            "then token 1, ...). First choices come before every second choice. See hint 1."),
+    Mistake("second choice ignored", lambda r: r.given_by("first choices only"),
+            "the second choices are ignored: every token goes to its top 2 experts. See hint 1."),
+    Mistake("tokens out of step with their experts", lambda r: r.given_by("tokens out of step"),
+            "each expert was given as many rows as it accepted, but the wrong tokens: the token ids are laid out "
+            "token by token (0, 0, 1, 1, ...), the experts choice by choice, so the i-th row sent is not the "
+            "i-th assignment's token. See hint 2."),
+)
 
 
-def _routing_mistake(reports, world) -> str | None:
-    """What is wrong with the rows the experts were given, or None when each got exactly its own."""
-    given = _given_to(reports, world)
-    right = _expected(reports, world, "first choices first")
-    if given == right:
-        return None
-    if not any(given.values()):
-        return "no expert was given any row: the tokens were never dispatched to their experts. See hint 3."
-    mistake = (_placement_mistake(given, right, world, reports[0]["per_rank"])
-               or _selection_mistake(given, reports, world))
-    if mistake:
-        return mistake
-    e = next(e for e in right if given.get(e) != right[e])
-    return (f"rows reach the wrong expert (expert {e} got {len(given.get(e, []))} rows, "
-            f"{len(set(given.get(e, [])) & set(right[e]))} of them its own, of the {len(right[e])} routed to it): "
-            "each accepted assignment sends its token's row to its expert. See hint 1.")
+def _check_routing(reports, world) -> None:
+    """Each expert was given exactly its own rows."""
+    r = _Routing(reports, world)
+    if r.given == r.right:
+        return
+    before = f"moe_forward on {world} ranks: "
+    name_the_first(ROUTING_MISTAKES, r, before=before)
+    e = next(e for e in r.right if r.given.get(e) != r.right[e])
+    raise CheckFailed(before + f"rows reach the wrong expert (expert {e} got {len(r.given.get(e, []))} rows, "
+                      f"{len(set(r.given.get(e, [])) & set(r.right[e]))} of them its own, of the "
+                      f"{len(r.right[e])} routed to it): each accepted assignment sends its token's row to its "
+                      "expert. See hint 1.")
 
 
 def reference(reports, world):
@@ -193,53 +218,58 @@ def check_moe_layer(jobs: dict) -> None:
     output and its gradients (x, the gates, the experts) must match one process's layer."""
     for world, job in sorted(jobs.items()):
         reports = launch_reports(job, "moe_forward")
-        mistake = _routing_mistake(reports, world)
-        if mistake:
-            raise CheckFailed(f"moe_forward on {world} ranks: {mistake}")
+        _check_routing(reports, world)
         want = reference(reports, world)
         tokens, dim = reports[0]["x"].shape
         n = world * tokens + dim + reports[0]["experts"][0]["0.weight"].shape[0]
         for rank in range(world):
-            mistake = _output_mistake(reports[rank]["y"], want, rank, n)
-            if mistake:
-                raise CheckFailed(f"moe_forward on {world} ranks: {mistake}")
+            _check_output(reports[rank]["y"], want, rank, n, before=f"moe_forward on {world} ranks: ")
         _check_gradients(reports, world, want, n)
     passed(f"moe_forward dispatches, drops and combines as one process does on "
            f"{', '.join(map(str, sorted(jobs)))} ranks, forward and backward")
 
 
-# What an output that one process's layer does not give matches instead, and the mistake that makes it
-WRONG_OUTPUTS = (
-    ("ungated", "the router's weights are not applied on the combine: the output is the sum of the "
-                "experts' results without their gates. See hint 1."),
-    ("dropped", "dropped tokens are counted twice: a dropped assignment adds nothing here, because the "
-                "residual connection around the layer already carries its token. See hint 1."),
-    ("gated_dropped", "dropped tokens are counted twice: a dropped assignment adds nothing here, not even "
-                      "its gate times the token, because the residual connection around the layer already "
-                      "carries it. See hint 1."),
+# What an output that one process's layer does not give matches instead, and the mistake that
+# makes it (readings: the rank's output y, the reference's values, the rank, the sum's length n).
+OUTPUT_MISTAKES = (
+    Mistake("gate not applied", lambda y, want, rank, n: _close(y, want["ungated"][rank], n),
+            "the router's weights are not applied on the combine: the output is the sum of the experts' "
+            "results without their gates. See hint 1."),
+    Mistake("dropped tokens counted twice", lambda y, want, rank, n: _close(y, want["dropped"][rank], n),
+            "dropped tokens are counted twice: a dropped assignment adds nothing here, because the residual "
+            "connection around the layer already carries its token. See hint 1."),
+    Mistake("dropped tokens passed through with their gates",
+            lambda y, want, rank, n: _close(y, want["gated_dropped"][rank], n),
+            "dropped tokens are counted twice: a dropped assignment adds nothing here, not even its gate times "
+            "the token, because the residual connection around the layer already carries it. See hint 1."),
+    Mistake("one of two results kept",
+            lambda y, want, rank, n: bool(_both_accepted(want, rank).any())
+            and _close(y[~_both_accepted(want, rank)], want["y"][rank].detach()[~_both_accepted(want, rank)], n),
+            lambda y, want, rank, n: f"the {int(_both_accepted(want, rank).sum())} tokens of rank {rank} with both "
+                                     "assignments accepted are wrong, the others right: one of a token's two "
+                                     "results took the place of the other instead of adding to it. See hint 2."),
+    # every expert got exactly its rows (the routing is checked first), so what is left is the combine
+    Mistake("results not returned to positions", lambda y, want, rank, n: True,
+            lambda y, want, rank, n: f"every expert was given exactly its rows, yet rank {rank}'s output differs "
+                                     f"from one process's by up to {(y - want['y'][rank].detach()).abs().max().item():.3g}: "
+                                     "the results do not go back to their tokens' positions. See hint 1."),
 )
 
 
-def _output_mistake(y, want, rank, n) -> str | None:
-    """What is wrong with rank ``rank``'s output y, given that every expert got exactly its rows
-    (or None when it matches one process's)."""
+def _both_accepted(want, rank):
+    """The tokens of ``rank`` whose two assignments were both accepted."""
+    return want["accepted"][rank] == 2
+
+
+def _check_output(y, want, rank, n, before) -> None:
+    """Rank ``rank``'s output y is one process's, given that every expert got exactly its rows."""
     right = want["y"][rank].detach()
     if y is None or y.shape != right.shape:
-        return (f"rank {rank} returned {None if y is None else tuple(y.shape)}, expected one row per token, "
-                f"{tuple(right.shape)}.")
+        raise CheckFailed(before + f"rank {rank} returned {None if y is None else tuple(y.shape)}, expected one "
+                          f"row per token, {tuple(right.shape)}.")
     if _close(y, right, n):
-        return None
-    for name, mistake in WRONG_OUTPUTS:
-        if _close(y, want[name][rank], n):
-            return mistake
-    twice = want["accepted"][rank] == 2
-    if twice.any() and _close(y[~twice], right[~twice], n):
-        return (f"the {int(twice.sum())} tokens of rank {rank} with both assignments accepted are wrong, the "
-                "others right: one of a token's two results took the place of the other instead of adding "
-                "to it. See hint 2.")
-    return (f"every expert was given exactly its rows, yet rank {rank}'s output differs from one process's "
-            f"by up to {(y - right).abs().max().item():.3g}: the results do not go back to their tokens' "
-            "positions. See hint 1.")
+        return
+    name_the_first(OUTPUT_MISTAKES, y, want, rank, n, before=before)
 
 
 def _check_gradients(reports, world, want, n) -> None:
