@@ -92,17 +92,21 @@ def _name_the_slip(answer, reference, slips, jobs, show, otherwise: str, context
 
 # Part 1, ring_from_fit(alpha, beta, n): its two numbers, each on every fit.
 STEP_LATENCY_SLIPS = (
-    _slip("alpha is not per step", lambda a, b, n: a, "the latency per step is alpha itself. alpha is the fixed cost of the "
-                             "whole all-reduce, and the ring's 2(N-1) steps each pay a share of it (hint 2)."),
-    _slip("one pass of steps", lambda a, b, n: a / (n - 1), "you divided alpha by N-1, the steps of one pass around the ring; an "
-                                       "all-reduce is a reduce-scatter and then an all-gather (hint 2)."),
+    _slip("alpha is not per step", lambda a, b, n: a,
+          "the latency per step is alpha itself. alpha is the fixed cost of the "
+          "whole all-reduce, and the ring's 2(N-1) steps each pay a share of it (hint 2)."),
+    _slip("one pass of steps", lambda a, b, n: a / (n - 1),
+          "you divided alpha by N-1, the steps of one pass around the ring; an "
+          "all-reduce is a reduce-scatter and then an all-gather (hint 2)."),
 )
 BUS_BANDWIDTH_SLIPS = (
-    _slip("algorithm bandwidth from the fit", lambda a, b, n: 1 / b, "1/beta is the algorithm bandwidth (bytes of the buffer per second), while "
-                                 "each link carries 2(N-1)/N of the buffer in that time (hint 2). On 2 ranks "
-                                 "the two are equal: your own fit could not show it."),
-    _slip("bus factor upside down", lambda a, b, n: n / (2 * (n - 1)) / b, "the factor is upside down: each link carries more than the "
-                                                 "buffer once, so the bus bandwidth is above 1/beta (hint 2)."),
+    _slip("algorithm bandwidth from the fit", lambda a, b, n: 1 / b,
+          "1/beta is the algorithm bandwidth (bytes of the buffer per second), while "
+          "each link carries 2(N-1)/N of the buffer in that time (hint 2). On 2 ranks "
+          "the two are equal: your own fit could not show it."),
+    _slip("bus factor upside down", lambda a, b, n: n / (2 * (n - 1)) / b,
+          "the factor is upside down: each link carries more than the "
+          "buffer once, so the bus bandwidth is above 1/beta (hint 2)."),
 )
 
 
@@ -130,10 +134,12 @@ def _check_ring(ring_from_fit, fit, world_size) -> None:
 # Part 2, predict_allreduce(num_params, grad_dtype, n, a, busbw): the latency with nothing to
 # send, then the bytes with no latency, on 8 and 4 ranks and in bf16 and fp32.
 LATENCY_SLIPS = (
-    _slip("latency once", lambda p, d, n, a, bw: a, "the latency counts once; every one of the ring's 2(N-1) steps pays it "
-                                    "(hint 3)."),
-    _slip("latency of one pass", lambda p, d, n, a, bw: (n - 1) * a, "N-1 steps are one pass around the ring; an all-reduce is a "
-                                              "reduce-scatter and then an all-gather (hint 3)."),
+    _slip("latency once", lambda p, d, n, a, bw: a,
+          "the latency counts once; every one of the ring's 2(N-1) steps pays it "
+          "(hint 3)."),
+    _slip("latency of one pass", lambda p, d, n, a, bw: (n - 1) * a,
+          "N-1 steps are one pass around the ring; an all-reduce is a "
+          "reduce-scatter and then an all-gather (hint 3)."),
 )
 BYTES_SLIPS = (
     _slip("algorithm bandwidth in the prediction", lambda p, d, n, a, bw: p * _size(d) / bw,
@@ -181,14 +187,18 @@ DGX_BUSBW_SLIPS = (
     _slip("one NVLink", lambda: DGX_BUSBW / NVLINK5_LINKS,
           "18 times too small: one NVLink's bandwidth. A B200 has 18 links through NVSwitch and a ring uses "
           "all of them at once (hint 1)."),
-    _slip("bits for bytes", lambda: DGX_BUSBW * 8, "8 times too large: 400 Gbit/s is in bits, busbw in bytes/s (hint 1)."),
-    _slip("one link, in bits", lambda: NVLINK5_LINK_GBIT * 1e9, "one link's 400 Gbit/s, taken as bytes: a ring over NVSwitch "
-                                           "uses all 18 links, and 400 Gbit/s is in bits (hint 1)."),
-    _slip("both directions", lambda: DGX_BUSBW * 2, "twice too large: you added the other direction (like the headline 1.8 TB/s). "
-                                 "400 Gbit/s is one direction of a link already; a ring sends and receives at "
-                                 "once, so one direction bounds it (hint 1)."),
-    _slip("a direction split in two", lambda: DGX_BUSBW / 2, "half of it: 400 Gbit/s is what a link carries in each direction; a "
-                                 "ring's sending does not take from its receiving (hint 1)."),
+    _slip("bits for bytes", lambda: DGX_BUSBW * 8,
+          "8 times too large: 400 Gbit/s is in bits, busbw in bytes/s (hint 1)."),
+    _slip("one link, in bits", lambda: NVLINK5_LINK_GBIT * 1e9,
+          "one link's 400 Gbit/s, taken as bytes: a ring over NVSwitch "
+          "uses all 18 links, and 400 Gbit/s is in bits (hint 1)."),
+    _slip("both directions", lambda: DGX_BUSBW * 2,
+          "twice too large: you added the other direction (like the headline 1.8 TB/s). "
+          "400 Gbit/s is one direction of a link already; a ring sends and receives at "
+          "once, so one direction bounds it (hint 1)."),
+    _slip("a direction split in two", lambda: DGX_BUSBW / 2,
+          "half of it: 400 Gbit/s is what a link carries in each direction; a "
+          "ring's sending does not take from its receiving (hint 1)."),
 )
 
 
