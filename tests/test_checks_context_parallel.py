@@ -12,7 +12,8 @@ import pytest
 
 import spike_course
 from spike_course import exercises, workers
-from spike_course.checks import CheckFailed, check_ring_attention
+from spike_course.checks import CheckFailed, check_ring_attention, context_parallel
+from named import mistake_of, names
 from planting import planted, written_file
 
 import course_files
@@ -35,24 +36,28 @@ LECTURE_FORM = """lse_b = torch.logsumexp(scores, dim=-1)
     out = out * torch.exp(m - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1)
     return new, torch.ones_like(new), out
     return m_new,"""
-MISTAKES = {
+MISTAKES = {  # a mistake of the check's table (or None: the blank) -> the change, what its message says
     "blank": (None, r"merge_block is not written yet"),
-    "scores_not_scaled": (("/ math.sqrt(q.shape[-1])", ""), r"the scores are not scaled"),
-    "maximum_not_carried": ((MAXIMUM, "scores.amax(dim=-1)"), r"the maximum is not carried"),
-    "maximum_not_updated": ((MAXIMUM, "torch.maximum(m, m)"),
-                            r"m is -inf: it must be the largest score seen so far"),
-    "normaliser_not_rescaled": (("l * shrink + p.sum(dim=-1)", "l + p.sum(dim=-1)"),
+    "scores not scaled": (("/ math.sqrt(q.shape[-1])", ""), r"the scores are not scaled"),
+    "maximum not carried": ((MAXIMUM, "scores.amax(dim=-1)"), r"the maximum is not carried"),
+    "m not the largest score (never updated)": ((MAXIMUM, "torch.maximum(m, m)"),
+                                                r"m is -inf: it must be the largest score seen so far"),
+    "maximum not updated": ((MAXIMUM, "torch.where(torch.isinf(m), scores.amax(dim=-1), m)"),
+                            r"a score of 800 arrives, and the new m is 0"),
+    "normaliser not rescaled": (("l * shrink + p.sum(dim=-1)", "l + p.sum(dim=-1)"),
                                 r"the normaliser is not rescaled.*the old l plus this block's 1"),
-    "accumulator_not_rescaled": (("acc * shrink.unsqueeze(-1) + p @ v", "acc + p @ v"),
+    "accumulator not rescaled": (("acc * shrink.unsqueeze(-1) + p @ v", "acc + p @ v"),
                                  r"the accumulator is not rescaled like l"),
-    "causal_mask_ignored": (("if causal:", "if False:"), r"the causal mask is not applied"),
-    "mask_on_local_indices": ((MASK, "torch.ones(len(q_pos), len(k_pos), dtype=torch.bool).triu(1)"),
+    "causal mask ignored": (("if causal:", "if False:"), r"the causal mask is not applied"),
+    "mask on local indices": ((MASK, "torch.ones(len(q_pos), len(k_pos), dtype=torch.bool).triu(1)"),
                               r"compares local indices, not global positions"),
-    "mask_reversed": ((MASK, "k_pos[None, :] < q_pos[:, None]"), r"the causal mask is reversed"),
-    "the_lectures_finished_blocks": (("return m_new,", LECTURE_FORM), r"m is 2.12693: it must be the largest "
-                                     r"score seen so far \(2\), not a log-sum-exp"),
-    "diagonal_masked": ((MASK, "k_pos[None, :] >= q_pos[:, None]"), r"the causal mask hides the diagonal"),
+    "mask reversed": ((MASK, "k_pos[None, :] < q_pos[:, None]"), r"the causal mask is reversed"),
+    "m not the largest score (the lecture's finished blocks)": (
+        ("return m_new,", LECTURE_FORM), r"m is 2.12693: it must be the largest score seen so far \(2\), not a "
+                                         r"log-sum-exp"),
+    "diagonal masked": ((MASK, "k_pos[None, :] >= q_pos[:, None]"), r"the causal mask hides the diagonal"),
 }
+CHECK_MODULE, PLANTS = context_parallel, {key: value for key, value in MISTAKES.items() if key != "blank"}
 
 
 def run(worker, merge_source, worlds=(2,)):
@@ -77,7 +82,7 @@ def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
     change, message = MISTAKES[mistake]
     source = exercises.blank_source(MERGE) if change is None else planted(MERGE, change)
     jobs, merge = run(worker, source)
-    with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
+    with names(None if mistake == "blank" else mistake_of(mistake), says=re.compile(message, re.S)):
         check_ring_attention(jobs, merge)
 
 

@@ -3,10 +3,11 @@ form (a running maximum, normaliser and accumulator), run around a ring and prob
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
-from ._common import CheckFailed, launch_reports, passed
+from ._common import CheckFailed, Mistake, launch_reports, name_the_first, passed
 
 U = 2.0 ** -53  # float64's unit roundoff
 # The probes below compare a handful of operations (a score, an exp, a product, a sum) on
@@ -67,9 +68,7 @@ def check_ring_attention(jobs: dict, merge_file) -> None:
             gap = (got - attention(q, k, v, causal)).abs().max().item()
             if not gap <= bound:  # nan fails too
                 gaps[world, causal] = gap
-    mistake = probe(load_merge_block(merge_file))
-    if mistake:
-        raise CheckFailed(f"merge_block: {mistake}")
+    _probe(load_merge_block(merge_file))
     if gaps:
         (world, causal), gap = next(iter(gaps.items()))
         raise CheckFailed(f"merge_block: on {world} ranks, {'causal' if causal else 'without a mask'}, the "
@@ -110,14 +109,17 @@ def _same(got, want) -> bool:
             and torch.allclose(got, want, rtol=PROBE_RTOL, atol=0))
 
 
-def probe(merge_block) -> str | None:
-    """The first classic mistake merge_block shows on a small hand-made case, or None."""
-    import torch
+class _Probe:
+    """merge_block on the check's small hand-made cases (one head, d = 4), each case run once,
+    when a mistake of the table first asks for it: the table's order is the cases' order, so
+    a case runs only when the ones before it showed nothing."""
 
-    def run(state, block, causal=False):
+    def __init__(self, merge_block):
+        self.merge_block = merge_block
+
+    def run(self, state, block, causal=False):
         try:
-            got = merge_block(*state, *block, causal)
-            m, l, acc = got
+            m, l, acc = self.merge_block(*state, *block, causal)
         except Exception as error:  # noqa: BLE001 - the learner's code may raise anything
             if isinstance(error, NotImplementedError):
                 raise CheckFailed("merge_block is not written yet: it raises NotImplementedError.") from None
@@ -125,63 +127,98 @@ def probe(merge_block) -> str | None:
                               "one query and two keys (see the traceback above). See hint 1.") from None
         return m, l, acc
 
-    e = math.e
-    # 1. Scores must be q.k / sqrt(d), and m must be the maximum score: state empty, scores 2 and 0.
-    m, l, acc = run(_state([[-math.inf]], [[0.0]], [[[0.0] * 4]]), _block([[2.0, 0.0]], [[1, 0, 0, 0], [0, 1, 0, 0]]))
-    if m.shape != (1, 1) or l.shape != (1, 1) or acc.shape != (1, 1, 4):
-        return (f"on one head, one query and two keys it returned shapes {tuple(m.shape)}, {tuple(l.shape)}, "
-                f"{tuple(acc.shape)}; expected (1, 1), (1, 1), (1, 1, 4). See hint 1.")
-    if _same(m, [[4.0]]):
-        return ("the scores are not scaled: with q.k = 4 and d = 4 the score is q.k / sqrt(d) = 2, and m became 4. "
-                "See hint 1.")
-    if not _same(m, [[2.0]]):
-        return (f"after a first block with scores 2 and 0, m is {m.item():.6g}: it must be the largest score "
-                "seen so far (2), not a log-sum-exp or a running sum. See hint 1.")
-    # 2. The maximum carried: m = 800 from earlier blocks, then a block of scores 0.
-    m, l, acc = run(_state([[800.0]], [[1.0]], [[[1, 0, 0, 0]]]), _block([[0.0, 0.0]], [[0, 1, 0, 0], [0, 0, 1, 0]]))
-    if not (_same(m, [[800.0]]) and _same(l, [[1.0]])):
-        return (f"the maximum is not carried: with m = 800 from the blocks before and scores of 0 in this one, "
-                f"the new m is {m.item():.6g} and l is {l.item():.6g} (expected 800 and 1): exp overflows as soon "
-                "as the old scores exceed this block's by about 709, and a row that sees no key of a block "
-                "meets exp(-inf - (-inf)). See hint 2.")
-    # 3. The maximum updated: m = 0, then a block whose score is 800.
-    m, l, acc = run(_state([[0.0]], [[1.0]], [[[1, 0, 0, 0]]]), _block([[800.0]], [[0, 1, 0, 0]]))
-    if not _same(m, [[800.0]]):
-        return (f"the maximum is not updated with this block's scores: m = 0 so far, a score of 800 arrives, and "
-                f"the new m is {m.item():.6g}. exp(800 - 0) overflows. See hint 2.")
-    # 4. The old sums rescaled: state m = 0, l = 1, acc = v0; one key with score 2 and value v1.
-    m, l, acc = run(_state([[0.0]], [[1.0]], [[[1, 0, 0, 0]]]), _block([[2.0]], [[0, 1, 0, 0]]))
-    if not _same(l, [[1 / e ** 2 + 1]]):
-        was = " (the old l plus this block's 1)" if _same(l, [[2.0]]) else ""
-        return (f"the normaliser is not rescaled: with l = 1 measured against m = 0 and a new key of score 2, "
-                f"l against the new m = 2 is exp(-2) + 1, and yours is {l.item():.6g}{was}. See hint 2.")
-    if not _same(acc, [[[1 / e ** 2, 1, 0, 0]]]):
-        return (f"the accumulator is not rescaled like l: expected exp(-2) v0 + v1 = [0.135, 1, 0, 0], got "
-                f"{[round(x, 3) for x in acc.flatten().tolist()]}. See hint 2.")
-    # 5. The causal mask on global positions: queries at 5 and 7, keys at 4..7, all scores 0, so
-    # acc (with one-hot values) shows which keys each query used.
-    eye = torch.eye(4).tolist()
-    m, l, acc = run(_state([[-math.inf] * 2], [[0.0] * 2], [[[0.0] * 4] * 2]),
-                    _block([[0.0] * 4] * 2, eye, q_pos=[5, 7], k_pos=[4, 5, 6, 7]), causal=True)
-    used = acc[0].round().int().tolist() if torch.isfinite(acc).all() else None
-    q_at, k_at = torch.tensor([5, 7]), torch.tensor([4, 5, 6, 7])
-    masks = {"right": k_at[None, :] <= q_at[:, None],
-             "ignored": torch.ones(2, 4, dtype=torch.bool),
-             "local": torch.arange(4)[None, :] <= torch.arange(2)[:, None],
-             "reversed": k_at[None, :] >= q_at[:, None],
-             "diagonal": k_at[None, :] < q_at[:, None]}
-    found = next((name for name, mask in masks.items() if used == mask.int().tolist()), None)
-    if found == "right":
-        return None
-    why = {
-        "ignored": "the causal mask is not applied: the query at position 5 used the keys at 6 and 7",
-        "local": ("the causal mask compares local indices, not global positions: the queries at positions "
-                  "5, 7 and the keys at 4..7 were masked as if both started at 0, so the query at 5 used only "
-                  "the key at 4"),
-        "reversed": "the causal mask is reversed: the query at position 5 used the keys at 5, 6, 7 and not 4",
-        "diagonal": ("the causal mask hides the diagonal: the query at position 5 did not use the key at 5, "
-                     "its own position"),
-    }.get(found, f"with queries at positions 5, 7 and keys at 4..7, the keys each query used are {used} "
-                 "(1 = used; expected [[1, 1, 0, 0], [1, 1, 1, 1]])")
-    return f"{why}. See hint 3."
+    @functools.cached_property
+    def first_block(self):
+        """Scores must be q.k / sqrt(d), m the largest score: state empty, scores 2 and 0."""
+        return self.run(_state([[-math.inf]], [[0.0]], [[[0.0] * 4]]),
+                        _block([[2.0, 0.0]], [[1, 0, 0, 0], [0, 1, 0, 0]]))
 
+    @functools.cached_property
+    def carried(self):
+        """The maximum carried: m = 800 from earlier blocks, then a block of scores 0."""
+        return self.run(_state([[800.0]], [[1.0]], [[[1, 0, 0, 0]]]),
+                        _block([[0.0, 0.0]], [[0, 1, 0, 0], [0, 0, 1, 0]]))
+
+    @functools.cached_property
+    def updated(self):
+        """The maximum updated: m = 0, then a block whose score is 800."""
+        return self.run(_state([[0.0]], [[1.0]], [[[1, 0, 0, 0]]]), _block([[800.0]], [[0, 1, 0, 0]]))
+
+    @functools.cached_property
+    def rescaled(self):
+        """The old sums rescaled: state m = 0, l = 1, acc = v0; one key with score 2 and value v1."""
+        return self.run(_state([[0.0]], [[1.0]], [[[1, 0, 0, 0]]]), _block([[2.0]], [[0, 1, 0, 0]]))
+
+    @functools.cached_property
+    def keys_used(self):
+        """The causal mask on global positions: queries at 5 and 7, keys at 4..7, all scores 0, so
+        acc (with one-hot values) shows which keys each query used: a list per query, or None."""
+        import torch
+
+        _, _, acc = self.run(_state([[-math.inf] * 2], [[0.0] * 2], [[[0.0] * 4] * 2]),
+                             _block([[0.0] * 4] * 2, torch.eye(4).tolist(), q_pos=[5, 7], k_pos=[4, 5, 6, 7]),
+                             causal=True)
+        return acc[0].round().int().tolist() if torch.isfinite(acc).all() else None
+
+    def masked_as(self, rule) -> bool:
+        """Whether the keys each query used are those ``rule`` (a comparison of key and query
+        positions, global or local) lets through."""
+        import torch
+
+        q_at, k_at = torch.tensor([5, 7]), torch.tensor([4, 5, 6, 7])
+        masks = {"causal": k_at[None, :] <= q_at[:, None], "none": torch.ones(2, 4, dtype=torch.bool),
+                 "local": torch.arange(4)[None, :] <= torch.arange(2)[:, None],
+                 "reversed": k_at[None, :] >= q_at[:, None], "diagonal": k_at[None, :] < q_at[:, None]}
+        return self.keys_used == masks[rule].int().tolist()
+
+
+E = math.e
+# The classic mistakes, in the order of the probe's cases (a mistake asks for its case).
+MERGE_MISTAKES = (
+    Mistake("scores not scaled", lambda p: _same(p.first_block[0], [[4.0]]),
+            "the scores are not scaled: with q.k = 4 and d = 4 the score is q.k / sqrt(d) = 2, and m became 4. "
+            "See hint 1."),
+    Mistake("m not the largest score", lambda p: not _same(p.first_block[0], [[2.0]]),
+            lambda p: f"after a first block with scores 2 and 0, m is {p.first_block[0].item():.6g}: it must be the "
+                      "largest score seen so far (2), not a log-sum-exp or a running sum. See hint 1."),
+    Mistake("maximum not carried", lambda p: not (_same(p.carried[0], [[800.0]]) and _same(p.carried[1], [[1.0]])),
+            lambda p: f"the maximum is not carried: with m = 800 from the blocks before and scores of 0 in this one, "
+                      f"the new m is {p.carried[0].item():.6g} and l is {p.carried[1].item():.6g} (expected 800 and "
+                      "1): exp overflows as soon as the old scores exceed this block's by about 709, and a row that "
+                      "sees no key of a block meets exp(-inf - (-inf)). See hint 2."),
+    Mistake("maximum not updated", lambda p: not _same(p.updated[0], [[800.0]]),
+            lambda p: "the maximum is not updated with this block's scores: m = 0 so far, a score of 800 arrives, "
+                      f"and the new m is {p.updated[0].item():.6g}. exp(800 - 0) overflows. See hint 2."),
+    Mistake("normaliser not rescaled", lambda p: not _same(p.rescaled[1], [[1 / E ** 2 + 1]]),
+            lambda p: "the normaliser is not rescaled: with l = 1 measured against m = 0 and a new key of score 2, "
+                      f"l against the new m = 2 is exp(-2) + 1, and yours is {p.rescaled[1].item():.6g}"
+                      + (" (the old l plus this block's 1)" if _same(p.rescaled[1], [[2.0]]) else "")
+                      + ". See hint 2."),
+    Mistake("accumulator not rescaled", lambda p: not _same(p.rescaled[2], [[[1 / E ** 2, 1, 0, 0]]]),
+            lambda p: "the accumulator is not rescaled like l: expected exp(-2) v0 + v1 = [0.135, 1, 0, 0], got "
+                      f"{[round(x, 3) for x in p.rescaled[2].flatten().tolist()]}. See hint 2."),
+    Mistake("causal mask ignored", lambda p: p.masked_as("none"),
+            "the causal mask is not applied: the query at position 5 used the keys at 6 and 7. See hint 3."),
+    Mistake("mask on local indices", lambda p: p.masked_as("local"),
+            "the causal mask compares local indices, not global positions: the queries at positions 5, 7 and the "
+            "keys at 4..7 were masked as if both started at 0, so the query at 5 used only the key at 4. See "
+            "hint 3."),
+    Mistake("mask reversed", lambda p: p.masked_as("reversed"),
+            "the causal mask is reversed: the query at position 5 used the keys at 5, 6, 7 and not 4. See hint 3."),
+    Mistake("diagonal masked", lambda p: p.masked_as("diagonal"),
+            "the causal mask hides the diagonal: the query at position 5 did not use the key at 5, its own "
+            "position. See hint 3."),
+)
+
+
+def _probe(merge_block) -> None:
+    """Fail with the first classic mistake merge_block shows on the probe's cases, if any."""
+    p = _Probe(merge_block)
+    m, l, acc = p.first_block
+    if m.shape != (1, 1) or l.shape != (1, 1) or acc.shape != (1, 1, 4):
+        raise CheckFailed(f"merge_block: on one head, one query and two keys it returned shapes {tuple(m.shape)}, "
+                          f"{tuple(l.shape)}, {tuple(acc.shape)}; expected (1, 1), (1, 1), (1, 1, 4). See hint 1.")
+    name_the_first(MERGE_MISTAKES, p, before="merge_block: ")
+    if not p.masked_as("causal"):
+        raise CheckFailed(f"merge_block: with queries at positions 5, 7 and keys at 4..7, the keys each query used "
+                          f"are {p.keys_used} (1 = used; expected [[1, 1, 0, 0], [1, 1, 1, 1]]). See hint 3.")
