@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import CheckFailed, launch_reports, passed
+from ._common import CheckFailed, Mistake, launch_reports, name_the_first, passed
 
 U32 = 2.0 ** -24  # float32's unit roundoff
 
@@ -66,15 +66,10 @@ def check_fedavg(job) -> None:
         _check_round(number, sites, n)
     tensors = len(rounds[0][0]["before"])
     counts = [site["collectives"] for sites in rounds for site in sites]
+    right_but = "every rank holds the right model after every round, but "
+    name_the_first(COLLECTIVE_MISTAKES, counts, tensors, before=right_but)
     if max(counts) > 1:
-        many = max(counts)
-        what = (f"{many} collectives: one per parameter tensor ({tensors}) and one more for the samples, as the "
-                "lecture's fedavg_" if many > tensors else
-                "2 collectives, the samples present and the parameters in separate messages" if many == 2 else
-                f"{many} collectives")
-        raise CheckFailed(f"every rank holds the right model after every round, but a call made {what}. One "
-                          "collective per round is the constraint: each one pays its latency, and across "
-                          "institutions that latency is a wide-area round trip. See Hint 1.")
+        raise CheckFailed(right_but + f"a call made {max(counts)} collectives. " + ONE_COLLECTIVE)
     if min(counts) < 1:
         raise CheckFailed("a rank made no collective in a round, yet holds the right model: the harness was "
                           "changed, or fedavg_ found the other sites' parameters by other means. Run the worker "
@@ -84,69 +79,115 @@ def check_fedavg(job) -> None:
            f"n_k = {samples} (stale and NaN parameters of absent sites left out), with one collective per call")
 
 
+class _Round:
+    """One round as the ranks reported it: each site's parameters before and after the call,
+    its samples and whether it took part; and what each candidate aggregate would have given."""
+
+    def __init__(self, number: int, sites: list, n: int):
+        self.n, self.before, self.after = n, [site["before"] for site in sites], [site["after"] for site in sites]
+        self.samples = [float(site["samples"]) for site in sites]
+        self.present = [bool(site["took_part"]) for site in sites]
+        self.absent = [k for k in range(n) if not self.present[k]]
+        self.total = sum(m for m, p in zip(self.samples, self.present) if p)
+        self.everyone = sum(self.samples)
+        self.ok = [_holds(a, _combine(self.before, [m / self.total if p else 0.0
+                                                    for m, p in zip(self.samples, self.present)]))
+                   for a in self.after]
+        self.wrong = [k for k in range(n) if not self.ok[k]]
+        self.where = (f"after round {number} (sites present: {[k for k in range(n) if self.present[k]]}, "
+                      f"n_k = {[site['samples'] for site in sites]})")
+
+    def matches(self, weights) -> bool:
+        """Every rank holds sum_k weights[k] w_k."""
+        return all(_holds(a, _combine(self.before, weights)) for a in self.after)
+
+    def unchanged(self, k) -> bool:
+        return _holds(self.after[k], (self.before[k], {name: 0 * v for name, v in self.before[k].items()}))
+
+    @property
+    def missing(self) -> list[str]:
+        return sorted({name for a in self.after for name in self.before[0] if name not in a})
+
+    @property
+    def not_finite(self) -> list[int]:
+        return [k for k in range(self.n) if not _finite(self.after[k])]
+
+    @property
+    def diverged(self) -> list[int]:
+        """The absent sites whose parameters were not finite (their training diverged)."""
+        return [k for k in self.absent if not _finite(self.before[k])]
+
+
+# A wrong aggregate, told by what the ranks hold instead (readings: the round).
+ROUND_MISTAKES = (
+    Mistake("a parameter left out", lambda r: bool(r.missing),
+            lambda r: f"the parameters {r.missing} are missing: every parameter of the model is part of the global "
+                      "model."),
+    Mistake("absent site times zero", lambda r: bool(r.not_finite and r.diverged),
+            lambda r: f"rank(s) {r.not_finite} hold NaN or inf. Site(s) {r.diverged} sat out with non-finite "
+                      "parameters (their training diverged) and these reached the result: a weight of zero does not "
+                      "remove a NaN, 0 * NaN is NaN. See Hint 1."),
+    Mistake("division by zero", lambda r: bool(r.not_finite),
+            lambda r: f"rank(s) {r.not_finite} hold NaN or inf although no site's parameters did: a division by a "
+                      "sum that came out zero? See Hint 1."),
+    Mistake("result never reached the parameters", lambda r: all(r.unchanged(k) for k in range(r.n)),
+            "no rank's parameters changed: the result of the collective never reached the model's parameters (a "
+            "collective works in place on the tensor it is given). See Hint 2."),
+    Mistake("absent sites keep their own",
+            lambda r: all(r.ok[k] for k in range(r.n) if r.present[k]) and all(r.unchanged(k) for k in r.absent),
+            lambda r: f"the sites present hold the new global model, but site(s) {r.absent}, which sat out, still "
+                      "hold their own parameters: every site starts the next round from the new global model. See "
+                      "Hint 1."),
+    Mistake("absent sites averaged in",
+            lambda r: bool(r.absent) and all(_finite(b) for b in r.before)
+            and r.matches([m / r.everyone for m in r.samples]),
+            lambda r: f"every rank holds the weighted mean over all {r.n} sites: site(s) {r.absent} sat out this "
+                      "round and were averaged in all the same, with their n_k. A site that did not take part "
+                      "counts for nothing. See Hint 1."),
+    Mistake("weights not renormalised",
+            lambda r: bool(r.absent)
+            and r.matches([m / r.everyone if p else 0.0 for m, p in zip(r.samples, r.present)]),
+            lambda r: f"each site present is weighted by n_k / {r.everyone:g}, its share of ALL sites' samples, so "
+                      f"the weights add up to {r.total / r.everyone:.2f}, not 1, and the model shrinks towards zero. "
+                      "The samples that count are those of the sites present. See Hint 1."),
+    Mistake("unweighted mean", lambda r: r.matches([1 / sum(r.present) if p else 0.0 for p in r.present]),
+            "every rank holds the plain, unweighted mean of the sites present: FedAvg weights each site by its "
+            "number of samples. See Hint 1."),
+    Mistake("not divided by the samples", lambda r: r.matches([m if p else 0.0 for m, p in zip(r.samples, r.present)]),
+            "every rank holds the sum of n_k w_k over the sites present, not divided by their total number of "
+            "samples. See Hint 1."),
+    Mistake("never added up",
+            lambda r: all(_holds(r.after[k], _combine(r.before, [r.samples[k] / r.total if k == j else 0.0
+                                                                 for j in range(r.n)]))
+                          for k in range(r.n) if r.present[k]),
+            "each site holds only its own weighted parameters n_k w_k / n: they were never added up across the "
+            "sites (or the sum never reached the model). See Hint 2."),
+    Mistake("only some ranks hold it", lambda r: r.ok[min(k for k in range(r.n) if r.present[k])],
+            lambda r: f"rank(s) {[k for k in range(r.n) if r.ok[k]]} hold the right model but rank(s) {r.wrong} do "
+                      "not: every site must end with it, not only one. See Hint 2."),
+)
+
+ONE_COLLECTIVE = ("One collective per round is the constraint: each one pays its latency, and across "
+                  "institutions that latency is a wide-area round trip. See Hint 1.")
+
+# More than one collective per call, told by the most any call made (readings: the counts of
+# every call, and the number of parameter tensors).
+COLLECTIVE_MISTAKES = (
+    Mistake("one collective per tensor", lambda counts, tensors: max(counts) > tensors,
+            lambda counts, tensors: f"a call made {max(counts)} collectives: one per parameter tensor ({tensors}) "
+                                    "and one more for the samples, as the lecture's fedavg_. " + ONE_COLLECTIVE),
+    Mistake("samples in a second message", lambda counts, tensors: max(counts) == 2,
+            "a call made 2 collectives, the samples present and the parameters in separate messages. "
+            + ONE_COLLECTIVE),
+)
+
+
 def _check_round(number: int, sites: list, n: int) -> None:
-    before = [site["before"] for site in sites]
-    after = [site["after"] for site in sites]
-    samples = [float(site["samples"]) for site in sites]
-    present = [bool(site["took_part"]) for site in sites]
-    absent = [k for k in range(n) if not present[k]]
-    total, everyone = sum(m for m, p in zip(samples, present) if p), sum(samples)
-    right = _combine(before, [m / total if p else 0.0 for m, p in zip(samples, present)])
-    ok = [_holds(a, right) for a in after]
-    if all(ok):
+    """After the round every rank holds the mean over the sites present, weighted by their samples."""
+    r = _Round(number, sites, n)
+    if all(r.ok):
         return
-    wrong = [k for k in range(n) if not ok[k]]
-    where = (f"after round {number} (sites present: {[k for k in range(n) if present[k]]}, "
-             f"n_k = {[site['samples'] for site in sites]})")
-    missing = sorted({name for a in after for name in before[0] if name not in a})
-    if missing:
-        raise CheckFailed(f"{where}, the parameters {missing} are missing: every parameter of the model is part "
-                          "of the global model.")
-    if not all(_finite(a) for a in after):
-        diverged = [k for k in absent if not _finite(before[k])]
-        if diverged:
-            raise CheckFailed(
-                f"{where}, rank(s) {[k for k in range(n) if not _finite(after[k])]} hold NaN or inf. Site(s) "
-                f"{diverged} sat out with non-finite parameters (their training diverged) and these reached "
-                "the result: a weight of zero does not remove a NaN, 0 * NaN is NaN. See Hint 1.")
-        raise CheckFailed(f"{where}, rank(s) {[k for k in range(n) if not _finite(after[k])]} hold NaN or inf "
-                          "although no site's parameters did: a division by a sum that came out zero? See Hint 1.")
-    if all(_holds(a, (b, {k: 0 * v for k, v in b.items()})) for a, b in zip(after, before)):
-        raise CheckFailed(f"{where}, no rank's parameters changed: the result of the collective never reached "
-                          "the model's parameters (a collective works in place on the tensor it is given). "
-                          "See Hint 2.")
-    if all(ok[k] for k in range(n) if present[k]) and all(_holds(after[k], (before[k], {
-            name: 0 * v for name, v in before[k].items()})) for k in absent):
-        raise CheckFailed(f"{where}, the sites present hold the new global model, but site(s) {absent}, which "
-                          "sat out, still hold their own parameters: every site starts the next round from the "
-                          "new global model. See Hint 1.")
-
-    def matches(weights):
-        return all(_holds(a, _combine(before, weights)) for a in after)
-
-    if absent and all(_finite(b) for b in before) and matches([m / everyone for m in samples]):
-        raise CheckFailed(
-            f"{where}, every rank holds the weighted mean over all {n} sites: site(s) {absent} sat out this round "
-            "and were averaged in all the same, with their n_k. A site that did not take part counts for "
-            "nothing. See Hint 1.")
-    if absent and matches([m / everyone if p else 0.0 for m, p in zip(samples, present)]):
-        raise CheckFailed(
-            f"{where}, each site present is weighted by n_k / {everyone:g}, its share of ALL sites' samples, "
-            f"so the weights add up to {total / everyone:.2f}, not 1, and the model shrinks towards zero. The "
-            "samples that count are those of the sites present. See Hint 1.")
-    if matches([1 / sum(present) if p else 0.0 for p in present]):
-        raise CheckFailed(f"{where}, every rank holds the plain, unweighted mean of the sites present: FedAvg "
-                          "weights each site by its number of samples. See Hint 1.")
-    if matches([m if p else 0.0 for m, p in zip(samples, present)]):
-        raise CheckFailed(f"{where}, every rank holds the sum of n_k w_k over the sites present, not divided by "
-                          "their total number of samples. See Hint 1.")
-    if all(_holds(after[k], _combine(before, [samples[k] / total if k == j else 0.0 for j in range(n)]))
-           for k in range(n) if present[k]):
-        raise CheckFailed(f"{where}, each site holds only its own weighted parameters n_k w_k / n: they were "
-                          "never added up across the sites (or the sum never reached the model). See Hint 2.")
-    if ok[min(k for k in range(n) if present[k])] and not all(ok):
-        raise CheckFailed(f"{where}, rank(s) {[k for k in range(n) if ok[k]]} hold the right model but rank(s) "
-                          f"{wrong} do not: every site must end with it, not only one. See Hint 2.")
-    raise CheckFailed(f"{where}, rank(s) {wrong} hold neither the mean over the sites present weighted by their "
+    name_the_first(ROUND_MISTAKES, r, before=f"{r.where}, ")
+    raise CheckFailed(f"{r.where}, rank(s) {r.wrong} hold neither the mean over the sites present weighted by their "
                       "samples nor a mistake this check knows. Check each site's weight, that the sites that sat "
                       "out add nothing, and that every parameter goes through the collective. See Hint 1.")
