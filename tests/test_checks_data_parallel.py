@@ -1,14 +1,12 @@
-"""The checks of chapters 02 and 03 pass right answers and name the mistake in wrong ones;
-chapter 03's exercises with their mistakes planted in a copy of the solution's worker (one
+"""The checks of chapter 03 pass right answers and name the mistake in wrong ones; its
+exercises with their mistakes planted in a copy of the solution's worker (one
 launch of 2 ranks per mistake of exercise 1; one launch for all of exercise 2's)."""
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 import spike_course
@@ -20,128 +18,10 @@ from planting import one_launch_for_all, planted, written_file
 import course_files
 
 
-class GoodSampler(Sampler):
-    """DistributedSampler's contract, written out (what the chapter 02 exercise asks for)."""
-
-    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
-        self.n, self.replicas, self.rank = len(dataset), num_replicas, rank
-        self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
-        per_rank = self.n // num_replicas if drop_last else math.ceil(self.n / num_replicas)
-        self.total = per_rank * num_replicas
-
-    def order(self):
-        if not self.shuffle:
-            return list(range(self.n))
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.n, generator=g).tolist()
-
-    def __iter__(self):
-        order = self.order()
-        order = (order * math.ceil(self.total / self.n))[:self.total]  # pad, or cut with drop_last
-        return iter(order[self.rank:self.total:self.replicas])
-
-    def __len__(self):
-        return self.total // self.replicas
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-
-class IgnoresRank(GoodSampler):
-    def __iter__(self):
-        return iter((self.order() * 2)[:len(self)])  # every rank reads the same first indices
-
-
-class OwnSeedPerRank(GoodSampler):
-    def order(self):
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch + 100 * self.rank)  # each rank its own shuffle
-        return torch.randperm(self.n, generator=g).tolist()
-
-
-class NoSetEpoch(GoodSampler):
-    set_epoch = None
-
-
-class IgnoresEpoch(GoodSampler):
-    def set_epoch(self, epoch):
-        pass  # forgets the epoch: the same shuffle forever
-
-
-class UnevenShards(GoodSampler):
-    def __iter__(self):
-        return iter(self.order()[self.rank::self.replicas])  # no padding: ranks differ in length
-
-
 def message(call) -> str:
     with pytest.raises(checks.CheckFailed) as info:
         call()
     return str(info.value)
-
-
-def test_a_faithful_copy_passes():
-    checks.check_sampler(GoodSampler)
-
-
-class Inherits(DistributedSampler):
-    pass
-
-
-@pytest.mark.parametrize("sampler", [DistributedSampler, Inherits])
-def test_torchs_own_order_is_not_an_answer(sampler):
-    """`MySampler = DistributedSampler`, or a subclass that adds nothing: the trivial answers."""
-    assert "inherits __iter__ and __len__ from torch's DistributedSampler" in message(
-        lambda: checks.check_sampler(sampler))
-
-
-class CallsSuper(DistributedSampler):
-    """Its own methods, each handing the work to torch's by super() (issue 40's audit)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-
-    def __iter__(self):
-        return super().__iter__()
-
-    def __len__(self):
-        return super().__len__()
-
-
-class Wraps:
-    """A class of its own that keeps a DistributedSampler inside and passes its order on."""
-
-    def __init__(self, *args, **kwargs):
-        self.inner = DistributedSampler(*args, **kwargs)
-
-    def __iter__(self):
-        return iter(list(self.inner))
-
-    def __len__(self):
-        return len(self.inner)
-
-    def set_epoch(self, epoch):
-        self.inner.set_epoch(epoch)
-
-
-@pytest.mark.parametrize("sampler", [CallsSuper, Wraps])
-def test_handing_the_work_to_torchs_sampler_is_not_an_answer(sampler):
-    said = message(lambda: checks.check_sampler(sampler))
-    assert said.startswith(f"BorrowedAnswer: {sampler.__name__} calls DistributedSampler.__"), said
-
-
-@pytest.mark.parametrize("sampler", [IgnoresRank, OwnSeedPerRank])
-def test_overlapping_ranks_are_named(sampler):
-    assert "ranks overlap" in message(lambda: checks.check_sampler(sampler))
-
-
-@pytest.mark.parametrize("sampler", [NoSetEpoch, IgnoresEpoch])
-def test_a_missing_set_epoch_is_named(sampler):
-    assert "set_epoch" in message(lambda: checks.check_sampler(sampler))
-
-
-def test_uneven_shards_are_named():
-    assert "every rank must read exactly" in message(lambda: checks.check_sampler(UnevenShards))
 
 
 def _training_results(world_size=2, sum_only=False, broadcast=True, all_reduce=True):
@@ -447,31 +327,3 @@ def test_what_the_evaluation_returns_is_checked_first():
     text = message(lambda: checks.check_distributed_accuracy(
         {0: recall_missing, 1: recall_missing}, torch.zeros(3, 1, 28, 28), torch.tensor([0, 1, 2]), torch.zeros(3, 10)))
     assert "a recall for each of the 10 classes" in text
-
-
-class Blocks(Sampler):
-    """A valid partition, but contiguous blocks of the shuffled order instead of a stride."""
-
-    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
-        self.size, self.rank, self.replicas = len(dataset), rank, num_replicas
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
-        self.per_rank = self.size // num_replicas if drop_last else math.ceil(self.size / num_replicas)
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def __len__(self):
-        return self.per_rank
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.size, generator=g).tolist() if self.shuffle else list(range(self.size))
-        total = self.per_rank * self.replicas
-        order = (order + order[:max(0, total - len(order))])[:total]
-        return iter(order[self.rank * self.per_rank:(self.rank + 1) * self.per_rank])
-
-
-def test_a_valid_partition_that_is_not_torchs_says_which_part_differs():
-    text = message(lambda: checks.check_sampler(Blocks))
-    assert "cut between the ranks another way" in text
-    assert "rank:total_size" not in text and "randperm" not in text  # a mistake named, not the recipe
