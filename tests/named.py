@@ -27,5 +27,6 @@ def names(mistake: str | None, says: str | None = None):
 
 
 def mistake_of(plant: str) -> str:
-    """The mistake's name in a ``PLANTS`` key: "bf16 compute (autocast)" plants "bf16 compute"."""
+    """The mistake's name in a ``PLANTS`` key: "bf16 compute (autocast)" plants "bf16 compute"
+    (so a mistake's own name never ends in parentheses)."""
     return re.sub(r" \([^()]*\)$", "", plant)

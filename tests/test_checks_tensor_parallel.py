@@ -17,7 +17,8 @@ import torch.nn as nn
 
 import spike_course
 from spike_course import exercises, workers
-from spike_course.checks import CheckFailed, check_vocab_parallel_embedding
+from spike_course.checks import CheckFailed, check_vocab_parallel_embedding, tensor_parallel
+from named import names
 
 import course_files
 
@@ -96,6 +97,15 @@ self.end = self.start + embedding.num_embeddings // world
 }
 
 
+# The plants of the check's tables (tests/named.py), by the mistake each is named as.
+PLANTED_MISTAKE = {"not_zeroed": "outside tokens looked up as row 0",
+                   "not_shifted": "token ids not shifted",
+                   "sliced_along_embedding_dim": "sliced along the embedding dimension",
+                   "not_summed": "partial results not summed", "plain_all_reduce": "plain all_reduce",
+                   "differentiable_all_reduce": "gradient all-reduced again", "whole_table_kept": "whole table kept",
+                   "table_elsewhere": "table elsewhere"}
+
+
 def run(worker, layer_source):
     """Launch the exercise's check script on 2 ranks next to ``layer_source``; the reference."""
     worker(layer_source, "vocab_parallel.py")
@@ -118,7 +128,7 @@ def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
     regions, message = MISTAKES[mistake]
     source = exercises.blank_source(LAYER) if regions is None else plant(**regions)
     result, reference = run(worker, source)
-    with pytest.raises(CheckFailed, match=message):
+    with names(PLANTED_MISTAKE.get(mistake), says=message):
         check_vocab_parallel_embedding(result.reports, reference)
 
 
@@ -142,11 +152,38 @@ def test_right_answers_pass(n, capsys):
     assert f"on {n} ranks" in capsys.readouterr().out
 
 
-def test_a_gradient_that_never_reaches_the_table_is_named():
-    """dist.all_reduce on a detached copy: right output, no gradient at all."""
+def _no_gradient(results, reference):
+    results[2]["grad_weight"] = None  # dist.all_reduce on a detached copy: right output, no gradient at all
+
+
+def _another_slice(results, reference):
+    results[1]["weight"] = results[0]["weight"].clone()  # rank 0's rows on rank 1 too
+
+
+def _clamped(results, reference):
+    """Every rank clamps the ids into its slice and does not zero the others: the sum of each
+    rank's clamped lookup."""
+    rows = 16 // 4
+    table, tokens = reference["weight"], reference["tokens"]
+    y = sum(table[q * rows:(q + 1) * rows][(tokens - q * rows).clamp(0, rows - 1)] for q in range(4))
+    for r in results:
+        results[r]["y"] = y.clone()
+
+
+# Mistakes reported by hand on 4 ranks (no launch): the change to a right layer's reports.
+REPORTED = {"no gradient reaches the table": (_no_gradient, "rank 2's table got no gradient.*detached copy"),
+            "another slice": (_another_slice, "rank 1's table has the right shape but not rows 4 to 7"),
+            "outside tokens clamped into the slice": (_clamped, r"\(a clamped row\)")}
+CHECK_MODULE = tensor_parallel  # tests/named.py
+PLANTS = {**{name: key for key, name in PLANTED_MISTAKE.items()}, **REPORTED}
+
+
+@pytest.mark.parametrize("name", REPORTED)
+def test_a_mistake_reported_by_hand_is_named(name):
     results, reference = reported(4)
-    results[2]["grad_weight"] = None
-    with pytest.raises(CheckFailed, match="rank 2's table got no gradient.*detached copy"):
+    change, says = REPORTED[name]
+    change(results, reference)
+    with names(name, says=says):
         check_vocab_parallel_embedding(results, reference)
 
 

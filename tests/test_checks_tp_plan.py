@@ -12,7 +12,8 @@ import pytest
 
 import spike_course
 from spike_course import workers
-from spike_course.checks import CheckFailed, check_tp_plan
+from spike_course.checks import CheckFailed, check_tp_plan, tensor_parallel
+from named import names
 
 import course_files
 
@@ -24,6 +25,12 @@ PLAN, CHECK_SCRIPT = SOURCES[f"{STEM}/tp_plan.py"], SOURCES[f"{STEM}/check_plan.
 MISTAKES = {
     "mlp_both_colwise": ([('"feed_forward.w2": RowwiseParallel()', '"feed_forward.w2": ColwiseParallel()')],
                          "feed_forward.w2 is ColwiseParallel like w1, w3"),
+    "attention_both_colwise": ([('"attention.wo": RowwiseParallel()', '"attention.wo": ColwiseParallel()')],
+                               "attention.wo is ColwiseParallel like wq, wk, wv"),
+    "mlp_row_then_column": ([('"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel()',
+                              '"feed_forward.w1": RowwiseParallel(), "feed_forward.w3": RowwiseParallel()'),
+                             ('"feed_forward.w2": RowwiseParallel()', '"feed_forward.w2": ColwiseParallel()')],
+                            "feed_forward: w1, w3 are RowwiseParallel and w2 ColwiseParallel, the wrong way round"),
     "attention_row_then_column": ([('"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel()',
                                     '"attention.wq": RowwiseParallel(), "attention.wk": RowwiseParallel()'),
                                    ('"attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel()',
@@ -36,6 +43,14 @@ MISTAKES = {
     "attention_input_not_shared": ([('"attention": one_input(),', '')],
                                    "attention all-reduces 3 input gradients in backward"),
 }
+
+
+# Each plant by the mistake the check's tables name it (tests/named.py).
+PLANTED_MISTAKE = {"mlp_both_colwise": "feed_forward both colwise", "attention_both_colwise": "attention both colwise",
+                   "mlp_row_then_column": "feed_forward row then column",
+                   "attention_row_then_column": "attention row then column", "logits_not_replicated": "logits not replicated", "embedding_left_whole": "a weight left whole",
+                   "attention_input_not_shared": "a region's input not shared"}
+CHECK_MODULE, PLANTS = tensor_parallel, {name: plant for plant, name in PLANTED_MISTAKE.items()}
 
 
 def plant(changes):
@@ -66,5 +81,5 @@ def test_solution_passes(launched, capsys):
 @pytest.mark.processes
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_each_mistake_is_named(launched, name):
-    with pytest.raises(CheckFailed, match=MISTAKES[name][1]):
+    with names(PLANTED_MISTAKE[name], says=MISTAKES[name][1]):
         check_tp_plan(launched, plan=name)

@@ -55,6 +55,7 @@ MODULES, PLANTED = check_modules(), plants()
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_every_mistake_of_a_table_is_planted_and_every_plant_is_in_a_table(name):
     table, planted = set(tables(MODULES[name])), PLANTED.get(name, set())
+    assert all(mistake_of(mistake) == mistake for mistake in table), "a mistake's name ends in (...): a plant's how"
     assert not table - planted, f"{name}: no test plants {sorted(table - planted)}"
     assert not planted - table, f"{name}: plants of mistakes in no table {sorted(planted - table)}"
 

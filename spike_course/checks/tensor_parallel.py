@@ -8,7 +8,7 @@ recognise it -> message)."""
 
 from __future__ import annotations
 
-from ._common import CheckFailed, close, launch_reports, passed
+from ._common import CheckFailed, Mistake, close, launch_reports, name_the_first, passed
 
 
 def _gap(actual, expected) -> str:
@@ -83,25 +83,116 @@ class _VocabSplit:
                    for q in range(self.n))
 
 
-def _not_zeroed(row: str) -> str:
-    return ("rank {r}'s output is each token's vector plus, from every rank that does not own it, "
-            f"the row that rank looked it up as ({row}): the tokens outside [start, end) were not "
-            "zeroed. Zero their vectors (a mask) before the sum.")
+class _Rank:
+    """What rank ``r`` reported (``got``), read against the unsharded embedding (``split``)."""
+
+    def __init__(self, split: _VocabSplit, r: int, got: dict):
+        self.split, self.r, self.got = split, r, got
+        self.n, self.about = split.n, split.about(r)
+
+    @property
+    def weight(self):
+        return self.got.get("weight")
+
+    @property
+    def expected_rows(self):
+        return self.split.rows_of(self.r, self.split.table)
+
+    @property
+    def span(self) -> str:
+        return "rows {first} to {last}".format(**self.about)
+
+    @property
+    def error(self) -> str:
+        return self.got.get("error") or ""
+
+    @property
+    def y(self):
+        return self.got.get("y")
+
+    @property
+    def grad(self):
+        return self.got.get("grad_weight")
+
+    @property
+    def unseen_collectives(self) -> list[str]:
+        return [w for w in self.got.get("warnings", []) if _UNSEEN_COLLECTIVE in w]
 
 
-# The wrong outputs the exercise names, tried in this order on rank r's output y (of the
-# right shape): name -> (does y show it?, the message, formatted with _VocabSplit.about).
-_OUTPUT_MISTAKES = {
-    "partial results not summed": (
-        lambda split, r, y: split.n > 1 and close(y, split.partial(r)),
-        "rank {r}'s output holds only the vectors of its own tokens (ids {first} to {last}), zeros for "
-        "the others: the partial results were never summed over the ranks (Hint 1; the given "
-        "Function is in Hint 2)."),
-    "outside tokens not zeroed (looked up as row 0)": (
-        lambda split, r, y: close(y, split.sum_if_row_zero()), _not_zeroed("its row 0")),
-    "outside tokens not zeroed (clamped into the slice)": (
-        lambda split, r, y: close(y, split.sum_if_clamped()), _not_zeroed("a clamped row")),
-}
+def _not_zeroed(row: str):
+    return lambda k: ("rank {r}'s output is each token's vector plus, from every rank that does not own it, the row "
+                      f"that rank looked it up as ({row}): the tokens outside [start, end) were not zeroed. Zero "
+                      "their vectors (a mask) before the sum.").format(**k.about)
+
+
+# Each step's mistakes, read on one rank at a time (readings: the rank's _Rank), in the check's order.
+SLICE_MISTAKES = (
+    # (vocab, dim / n) is a split of the columns: recognised from the shape alone
+    Mistake("sliced along the embedding dimension",
+            lambda k: k.weight is not None and k.weight.shape != k.expected_rows.shape
+            and k.weight.shape == (k.split.vocab, k.split.dim // k.n),
+            lambda k: f"rank {k.r} holds a table of shape {tuple(k.weight.shape)}, expected "
+                      f"{tuple(k.expected_rows.shape)}: its slice of the vocabulary, {k.span} of embedding.weight "
+                      f"(vocab_size, dim) = {(k.split.vocab, k.split.dim)}, chunk(world_size, dim=0)[rank]. It is a "
+                      "slice of the EMBEDDING DIMENSION (the columns), ColwiseParallel's split: the vocabulary is "
+                      "the rows, dim 0."),
+    Mistake("another slice", lambda k: k.weight is not None and k.weight.shape == k.expected_rows.shape
+            and not _same(k.weight, k.expected_rows),
+            lambda k: f"rank {k.r}'s table has the right shape but not {k.span} of embedding.weight: take "
+                      "chunk(world_size, dim=0)[rank]."),
+)
+# A lookup outside a rank's slice stops that rank, and the others then fail too, waiting for it.
+NOT_SHIFTED = Mistake(
+    "token ids not shifted", lambda k: any(w in k.error for w in _INDEX_ERRORS),
+    lambda k: ("rank {r} looked up a row its slice does not have ({error}). Its table holds {rows} rows, token ids "
+               "{first} to {last}, as rows 0 to {top}: the tokens were not shifted by start, or a token outside "
+               "[start, end) was looked up as it is (Hint 1). Rank 0 gets away with a missing shift: its start is "
+               "0.").format(error=k.error, top=k.split.rows - 1, **k.about))
+# What the worker measured, whatever the layer reports as its weight: the elements of every
+# tensor the layer keeps; and the collectives of its forward (CommDebugMode).
+TABLE_NOT_SPLIT = Mistake(
+    "whole table kept", lambda k: k.got.get("held") is not None and k.n > 1 and k.got["held"] > k.split.rows * k.split.dim,
+    lambda k: f"rank {k.r}'s layer keeps {k.got['held']} elements in its tensors (parameters, buffers and "
+              f"attributes), but its rows of the table are {k.split.rows * k.split.dim}: it holds more of the table "
+              "than its own rows, so the table is not split (Hint 1).")
+NO_COLLECTIVE = Mistake(
+    "table elsewhere", lambda k: k.got.get("forward_collectives") == 0 and k.n > 1,
+    lambda k: f"rank {k.r}'s forward ran no collective, yet it returned every token's vector: no rank can know the "
+              "vectors of the tokens outside its rows but from the other ranks; it read them from a copy of the "
+              "table (Hint 1).")
+# The wrong outputs the exercise names, tried in this order on a rank's output of the right shape.
+OUTPUT_MISTAKES = (
+    Mistake("partial results not summed", lambda k: k.n > 1 and close(k.y, k.split.partial(k.r)),
+            lambda k: ("rank {r}'s output holds only the vectors of its own tokens (ids {first} to {last}), zeros for "
+                       "the others: the partial results were never summed over the ranks (Hint 1; the given "
+                       "Function is in Hint 2).").format(**k.about)),
+    Mistake("outside tokens looked up as row 0", lambda k: close(k.y, k.split.sum_if_row_zero()),
+            _not_zeroed("its row 0")),
+    Mistake("outside tokens clamped into the slice", lambda k: close(k.y, k.split.sum_if_clamped()),
+            _not_zeroed("a clamped row")),
+)
+# A plain dist.all_reduce gives the right output and here, by luck, the right gradient: torch's
+# warning is what tells it apart.
+PLAIN_ALL_REDUCE = Mistake(
+    "plain all_reduce", lambda k: bool(k.unseen_collectives),
+    lambda k: f"rank {k.r} sums with a plain dist.all_reduce on a tensor autograd tracks; torch warned: "
+              f"{k.unseen_collectives[0][:120]!r}... A dist.* call is invisible to autograd: here the gradient "
+              "silently passes through unchanged, right for this sum by luck, and torch deprecates even that (a "
+              "future release detaches the output: no gradient would reach the table); the same call elsewhere "
+              "gives wrong gradients. The given Function is there for this sum (Hint 1).")
+GRADIENT_MISTAKES = (
+    Mistake("no gradient reaches the table", lambda k: k.grad is None,
+            lambda k: f"rank {k.r}'s table got no gradient: backward never reached it. A dist.all_reduce on a "
+                      "detached copy (or under no_grad) cuts the graph; the given Function's backward passes the "
+                      "gradient on (Hint 1)."),
+    # the sum's backward all-reduced the gradient again
+    Mistake("gradient all-reduced again",
+            lambda k: k.n > 1 and close(k.grad, k.n * k.split.rows_of(k.r, k.split.grad_weight)),
+            lambda k: f"rank {k.r}'s table gradient is exactly world_size = {k.n} times too big: the backward of "
+                      "the sum all-reduces the gradient again (torch.distributed.nn.functional.all_reduce does). "
+                      "Every rank already holds the whole gradient of the sum: its backward is the identity, as in "
+                      "ReduceFromParallel."),
+)
 
 
 def _world_size(results: dict) -> int:
@@ -123,6 +214,15 @@ def _errors(results: dict, n: int) -> dict:
     return {r: results[r]["error"] for r in range(n) if results[r].get("error")}
 
 
+def _errors(results: dict, n: int) -> dict:
+    """rank -> the error it raised, for the ranks that raised."""
+    return {r: results[r]["error"] for r in range(n) if results[r].get("error")}
+
+
+def _ranks(results: dict, split: _VocabSplit) -> list[_Rank]:
+    return [_Rank(split, r, results[r]) for r in range(split.n)]
+
+
 def _check_written(results: dict, split: _VocabSplit) -> None:
     """No rank stopped at the exercise's `raise NotImplementedError`."""
     for r, error in _errors(results, split.n).items():
@@ -134,121 +234,57 @@ def _check_written(results: dict, split: _VocabSplit) -> None:
 
 def _check_slices(results: dict, split: _VocabSplit) -> None:
     """Each rank's slice of the table, as far as __init__ got: rows start..end-1."""
-    vocab, dim, n = split.vocab, split.dim, split.n
-    for r in range(n):
-        weight = results[r].get("weight")
-        if weight is None:
-            continue
-        expected, span = split.rows_of(r, split.table), "rows {first} to {last}".format(**split.about(r))
-        if weight.shape != expected.shape:
-            # (vocab, dim / n) is a split of the columns: recognised from the shape alone
-            hint = (" It is a slice of the EMBEDDING DIMENSION (the columns), ColwiseParallel's split: "
-                    "the vocabulary is the rows, dim 0." if weight.shape == (vocab, dim // n) else "")
-            raise split.fail(f"rank {r} holds a table of shape {tuple(weight.shape)}, expected "
-                             f"{tuple(expected.shape)}: its slice of the vocabulary, {span} of "
-                             f"embedding.weight (vocab_size, dim) = {(vocab, dim)}, "
-                             f"chunk(world_size, dim=0)[rank].{hint}")
-        if not _same(weight, expected):
-            raise split.fail(f"rank {r}'s table has the right shape but not {span} of embedding.weight: "
-                             "take chunk(world_size, dim=0)[rank].")
+    for k in _ranks(results, split):
+        name_the_first(SLICE_MISTAKES, k, before=f"{split.name}: ")
+        if k.weight is not None and k.weight.shape != k.expected_rows.shape:
+            raise split.fail(f"rank {k.r} holds a table of shape {tuple(k.weight.shape)}, expected "
+                             f"{tuple(k.expected_rows.shape)}: its slice of the vocabulary, {k.span} of "
+                             f"embedding.weight (vocab_size, dim) = {(split.vocab, split.dim)}, "
+                             "chunk(world_size, dim=0)[rank].")
 
 
 def _check_no_error(results: dict, split: _VocabSplit) -> None:
-    """A rank that raised, told by its first cause: a lookup outside a rank's slice stops that
-    rank, and the others then fail too, waiting for it in the all-reduce."""
+    """A rank that raised, told by its first cause."""
     errors = _errors(results, split.n)
     if not errors:
         return
-    looked_outside = [r for r, error in errors.items() if any(w in error for w in _INDEX_ERRORS)]
-    if looked_outside:
-        r = looked_outside[0]
-        raise split.fail(
-            "rank {r} looked up a row its slice does not have ({error}). Its table holds {rows} rows, "
-            "token ids {first} to {last}, as rows 0 to {top}: the tokens were not shifted by start, "
-            "or a token outside [start, end) was looked up as it is (Hint 1). Rank 0 gets away with a "
-            "missing shift: its start is 0.".format(error=errors[r], top=split.rows - 1, **split.about(r)))
+    for k in _ranks(results, split):
+        name_the_first((NOT_SHIFTED,), k, before=f"{split.name}: ")
     r, error = next(iter(errors.items()))
     where = results[r].get("where")
     raise split.fail(f"rank {r} raised {error}" + (f" in VocabParallelEmbedding.{where}" if where else "")
                      + " (see its traceback above).")
 
 
-def _check_held(results: dict, split: _VocabSplit) -> None:
-    """What the worker measured, whatever the layer reports as its weight: the elements of
-    every tensor the layer keeps."""
-    for r in range(split.n):
-        held = results[r].get("held")
-        if held is not None and split.n > 1 and held > split.rows * split.dim:
-            raise split.fail(
-                f"rank {r}'s layer keeps {held} elements in its tensors (parameters, buffers and "
-                f"attributes), but its rows of the table are {split.rows * split.dim}: it holds more "
-                "of the table than its own rows, so the table is not split (Hint 1).")
-
-
-def _check_summed(results: dict, split: _VocabSplit) -> None:
-    """Whole outputs with no collective in the forward (CommDebugMode, in the worker): the
-    rank had the other rows from somewhere else than the other ranks."""
-    for r in range(split.n):
-        if results[r].get("forward_collectives") == 0 and split.n > 1:
-            raise split.fail(
-                f"rank {r}'s forward ran no collective, yet it returned every token's vector: no "
-                "rank can know the vectors of the tokens outside its rows but from the other ranks; "
-                "it read them from a copy of the table (Hint 1).")
+def _check_each_rank(results: dict, split: _VocabSplit, mistakes) -> None:
+    for k in _ranks(results, split):
+        name_the_first(mistakes, k, before=f"{split.name}: ")
 
 
 def _check_outputs(results: dict, split: _VocabSplit) -> None:
     """Every rank returns nn.Embedding's output, exactly; else the first named mistake it shows."""
-    for r in range(split.n):
-        y = results[r].get("y")
-        if y is None:
-            raise split.fail(f"rank {r} reported no output: did forward return one?")
-        if _same(y, split.y):
+    for k in _ranks(results, split):
+        if k.y is None:
+            raise split.fail(f"rank {k.r} reported no output: did forward return one?")
+        if _same(k.y, split.y):
             continue
-        if y.shape != split.y.shape:
-            raise split.fail(f"rank {r}'s output has shape {tuple(y.shape)}, expected "
+        if k.y.shape != split.y.shape:
+            raise split.fail(f"rank {k.r}'s output has shape {tuple(k.y.shape)}, expected "
                              f"{tuple(split.y.shape)} (the tokens' shape, then the embedding dimension).")
-        for shows, message in _OUTPUT_MISTAKES.values():
-            if shows(split, r, y):
-                raise split.fail(message.format(**split.about(r)))
-        raise split.fail(f"rank {r}'s output differs from nn.Embedding's ({_gap(y, split.y)}): check "
+        name_the_first(OUTPUT_MISTAKES, k, before=f"{split.name}: ")
+        raise split.fail(f"rank {k.r}'s output differs from nn.Embedding's ({_gap(k.y, split.y)}): check "
                          "which row each token is looked up as (global id - start) and that the others "
                          "are zeroed.")
 
 
-def _check_sum_seen_by_autograd(results: dict, split: _VocabSplit) -> None:
-    """A plain dist.all_reduce gives the right output and here, by luck, the right gradient:
-    torch's warning is what tells it apart."""
-    for r in range(split.n):
-        unseen = [w for w in results[r].get("warnings", []) if _UNSEEN_COLLECTIVE in w]
-        if unseen:
-            raise split.fail(
-                f"rank {r} sums with a plain dist.all_reduce on a tensor autograd tracks; torch "
-                f"warned: {unseen[0][:120]!r}... A dist.* call is invisible to autograd: here the "
-                "gradient silently passes through unchanged, right for this sum by luck, and torch "
-                "deprecates even that (a future release detaches the output: no gradient would reach "
-                "the table); the same call elsewhere gives wrong gradients. The given Function is "
-                "there for this sum (Hint 1).")
-
-
 def _check_gradients(results: dict, split: _VocabSplit) -> None:
     """Every rank gets its rows of the table's gradient, exactly."""
-    n = split.n
-    for r in range(n):
-        grad, expected = results[r].get("grad_weight"), split.rows_of(r, split.grad_weight)
-        if grad is None:
-            raise split.fail(
-                f"rank {r}'s table got no gradient: backward never reached it. A dist.all_reduce "
-                "on a detached copy (or under no_grad) cuts the graph; the given Function's backward "
-                "passes the gradient on (Hint 1).")
-        if _same(grad, expected):
+    for k in _ranks(results, split):
+        expected = split.rows_of(k.r, split.grad_weight)
+        if k.grad is not None and _same(k.grad, expected):
             continue
-        if n > 1 and close(grad, n * expected):  # the sum's backward all-reduced the gradient again
-            raise split.fail(
-                f"rank {r}'s table gradient is exactly world_size = {n} times too big: the "
-                "backward of the sum all-reduces the gradient again (torch.distributed.nn.functional."
-                "all_reduce does). Every rank already holds the whole gradient of the sum: its backward "
-                "is the identity, as in ReduceFromParallel.")
-        raise split.fail(f"rank {r}'s table gradient is wrong ({_gap(grad, expected)}); each row "
+        name_the_first(GRADIENT_MISTAKES, k, before=f"{split.name}: ")
+        raise split.fail(f"rank {k.r}'s table gradient is wrong ({_gap(k.grad, expected)}); each row "
                          "must get the upstream gradients of the tokens it owns (summed when a token "
                          "repeats) and nothing from the others.")
 
@@ -268,10 +304,10 @@ def check_vocab_parallel_embedding(results: dict, reference: dict) -> None:
     _check_written(results, split)
     _check_slices(results, split)
     _check_no_error(results, split)  # after the slices: a wrong slice is the cause of what fails later
-    _check_held(results, split)
+    _check_each_rank(results, split, (TABLE_NOT_SPLIT,))
     _check_outputs(results, split)
-    _check_summed(results, split)
-    _check_sum_seen_by_autograd(results, split)
+    _check_each_rank(results, split, (NO_COLLECTIVE,))
+    _check_each_rank(results, split, (PLAIN_ALL_REDUCE,))
     _check_gradients(results, split)
     passed(f"{split.name}: every rank holds its {split.rows} rows of the table, returns nn.Embedding's "
            "output and gets its rows of the table's gradient, exactly")
@@ -296,31 +332,68 @@ def _style_of(plan: dict, target: str):
     return found[-1] if found else None
 
 
-def _named_plan_mistake(plan: dict) -> str | None:
-    """A classic plan mistake, read from the styles the plan gave (None when none shows)."""
-    def kind(target):
-        style = _style_of(plan, target)
+class _PlanStyles:
+    """The styles a plan gives the modules of layers.0 and the output (readings of PLAN_MISTAKES)."""
+
+    def __init__(self, plan: dict):
+        self.plan = plan
+
+    def kind(self, target):
+        style = _style_of(self.plan, target)
         return style and style["style"]
 
-    regions = {"feed_forward": (("w1", "w3"), "w2", "hidden units"),
-               "attention": (("wq", "wk", "wv"), "wo", "heads")}
-    for region, (columns, row, features) in regions.items():
-        first = [kind(f"layers.0.{region}.{c}") for c in columns]
-        last = kind(f"layers.0.{region}.{row}")
-        names = ", ".join(columns)
-        if last == "ColwiseParallel" and "ColwiseParallel" in first:
-            return (f"{region}.{row} is ColwiseParallel like {names}. A column layer's output is its "
-                    f"slice of the features ({region}'s {features}): the layer after it must "
-                    f"take that slice as input and sum the partial results, RowwiseParallel.")
-        if last == "ColwiseParallel" and "RowwiseParallel" in first:
-            return (f"{region}: {names} are RowwiseParallel and {row} ColwiseParallel, the wrong way "
-                    "round. The first layers take the whole (replicated) input and split the output "
-                    f"features (ColwiseParallel); {row} takes those slices and all-reduces (RowwiseParallel).")
-    output = _style_of(plan, "output")
-    if output and "Replicate" not in output["output_layouts"]:
-        return ("output is ColwiseParallel without output_layouts=Replicate(): each rank gets only its "
-                "vocabulary slice of the logits, and the loss needs all of them.")
-    return None
+    def columns(self, region) -> list:
+        return [self.kind(f"layers.0.{region}.{c}") for c in _REGIONS[region][0]]
+
+    def row(self, region):
+        return self.kind(f"layers.0.{region}.{_REGIONS[region][1]}")
+
+
+# Each region's column layers, its row layer, and what its column layers split.
+_REGIONS = {"feed_forward": (("w1", "w3"), "w2", "hidden units"), "attention": (("wq", "wk", "wv"), "wo", "heads")}
+
+
+def _both_columns(region) -> Mistake:
+    columns, row, features = _REGIONS[region]
+    return Mistake(f"{region} both colwise",
+                   lambda p: p.row(region) == "ColwiseParallel" and "ColwiseParallel" in p.columns(region),
+                   f"{region}.{row} is ColwiseParallel like {', '.join(columns)}. A column layer's output is its "
+                   f"slice of the features ({region}'s {features}): the layer after it must take that slice as "
+                   "input and sum the partial results, RowwiseParallel.")
+
+
+def _row_then_column(region) -> Mistake:
+    columns, row, _ = _REGIONS[region]
+    return Mistake(f"{region} row then column",
+                   lambda p: p.row(region) == "ColwiseParallel" and "RowwiseParallel" in p.columns(region),
+                   f"{region}: {', '.join(columns)} are RowwiseParallel and {row} ColwiseParallel, the wrong way "
+                   "round. The first layers take the whole (replicated) input and split the output features "
+                   f"(ColwiseParallel); {row} takes those slices and all-reduces (RowwiseParallel).")
+
+
+# The classic plan mistakes, read from the styles the plan gave: the cause that comes first in
+# every message, the numbers only its symptom.
+PLAN_MISTAKES = (
+    _both_columns("feed_forward"), _row_then_column("feed_forward"),
+    _both_columns("attention"), _row_then_column("attention"),
+    Mistake("logits not replicated",
+            lambda p: bool(_style_of(p.plan, "output")) and "Replicate" not in _style_of(p.plan, "output")["output_layouts"],
+            "output is ColwiseParallel without output_layouts=Replicate(): each rank gets only its vocabulary "
+            "slice of the logits, and the loss needs all of them."),
+)
+
+
+def _named_plan_mistake(plan: dict) -> Mistake | None:
+    """The first classic plan mistake the plan's styles show, or None."""
+    styles = _PlanStyles(plan)
+    return next((mistake for mistake in PLAN_MISTAKES if mistake.seen(styles)), None)
+
+
+def _failed(where: str, named: Mistake | None, symptom: str, after: str = "") -> CheckFailed:
+    """A failure of the sharded model's numbers: the named plan mistake as its cause, if any."""
+    if named is None:
+        return CheckFailed(where + symptom + after)
+    return CheckFailed(where + named.text() + after, mistake=named.name)
 
 
 def _ranks_that_ran(results: dict, plan: str) -> list:
@@ -345,32 +418,30 @@ def _unsharded(config: dict, tokens):
     return model, logits
 
 
-def _check_ran(got: dict, where: str, named: str | None) -> None:
+def _check_ran(got: dict, where: str, named: Mistake | None) -> None:
     if got["error"]:
         if "NotImplementedError" in got["error"]:
             raise CheckFailed("parallelize() still raises NotImplementedError: write the plan.")
-        raise CheckFailed(where + (named or "the sharded model failed") + f"\n(it raised {got['error']})")
+        raise _failed(where, named, "the sharded model failed", f"\n(it raised {got['error']})")
 
 
-def _check_numbers(got: dict, where: str, named: str | None, unsharded, logits, rtol: float,
+def _check_numbers(got: dict, where: str, named: Mistake | None, unsharded, logits, rtol: float,
                    atol: float) -> None:
     """Logits and every gradient against the unsharded model's; a named plan mistake says why."""
     import torch
 
     y = got["logits"]
     if y.shape != logits.shape:
-        raise CheckFailed(where + (named or f"the logits have shape {tuple(y.shape)}, expected "
-                                   f"{tuple(logits.shape)}: every rank must see all of them "
-                                   "(output_layouts=Replicate())."))
+        raise _failed(where, named, f"the logits have shape {tuple(y.shape)}, expected {tuple(logits.shape)}: "
+                                    "every rank must see all of them (output_layouts=Replicate()).")
     if not torch.allclose(y.double(), logits.detach(), rtol=rtol, atol=atol):
         gap = (y.double() - logits.detach()).abs().max().item()
-        raise CheckFailed(where + (named or "the logits differ from the unsharded model's") +
-                          f" (largest difference {gap:.3g})")
+        raise _failed(where, named, "the logits differ from the unsharded model's", f" (largest difference {gap:.3g})")
     for name, param in unsharded.named_parameters():
         grad = got["grads"].get(name)
         if grad is None or not torch.allclose(grad.double(), param.grad, rtol=rtol, atol=atol):
-            raise CheckFailed(where + f"the gradient of {name} differs from the unsharded model's" +
-                              (f": {named}" if named else "."))
+            differs = f"the gradient of {name} differs from the unsharded model's"
+            raise _failed(where + differs + ": " if named else where, named, differs + ".")
 
 
 def _check_rank(got: dict, where: str, unsharded, logits, rtol: float, atol: float) -> None:
@@ -388,27 +459,30 @@ def _check_all_sharded(placements: dict, unsharded) -> int:
     """Every weight but the norms' and the position embedding's is sharded; returns how many."""
     must_shard = [n for n, p in unsharded.named_parameters()
                   if n.endswith("weight") and ("norm" not in n) and ("pos_embeddings" not in n)]
-    plain = [n for n in must_shard if "Shard" not in placements.get(n, "")]
-    if plain:
-        raise CheckFailed(f"{len(plain)} weight{'s are' if len(plain) > 1 else ' is'} not sharded, e.g. "
-                          f"{plain[0]}: every rank holds all of it. "
-                          "Tensor parallel splits every linear layer and the token embedding "
-                          "(RowwiseParallel(input_layouts=Replicate()) splits the vocabulary).")
+    name_the_first((WEIGHT_LEFT_WHOLE,), [n for n in must_shard if "Shard" not in placements.get(n, "")])
     return len(must_shard)
 
 
-def _why_extra_all_reduces(comm: dict, fqn: str) -> str:
-    """The hint for a layer with other collectives than Megatron's: the regions whose column
-    layers each all-reduced their own input gradient, when that shows."""
-    extra = [f"{region} all-reduces {columns} input gradients in backward, one per column layer"
-             for region, columns in _COLUMN_LAYERS.items()
-             if comm.get(f"{fqn}.{region}", {}).get("backward", {}).get("all_reduce", 0) == columns]
-    if not extra:
-        return (" Megatron's layer needs one all-reduce after attention and one after the MLP, in forward "
-                "and in backward.")
-    return ("; ".join(extra) + ". Give the module one shared replicated input: "
-            "PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate(), "
-            "use_local_output=False) on it, so its input gradient is all-reduced once.")
+WEIGHT_LEFT_WHOLE = Mistake(
+    "a weight left whole", lambda plain: bool(plain),
+    lambda plain: f"{len(plain)} weight{'s are' if len(plain) > 1 else ' is'} not sharded, e.g. {plain[0]}: every "
+                  "rank holds all of it. Tensor parallel splits every linear layer and the token embedding "
+                  "(RowwiseParallel(input_layouts=Replicate()) splits the vocabulary).")
+
+
+def _unshared_inputs(comm: dict, fqn: str) -> list[str]:
+    """The regions of layer ``fqn`` whose column layers each all-reduced their own input gradient."""
+    return [f"{region} all-reduces {columns} input gradients in backward, one per column layer"
+            for region, columns in _COLUMN_LAYERS.items()
+            if comm.get(f"{fqn}.{region}", {}).get("backward", {}).get("all_reduce", 0) == columns]
+
+
+# A layer with other collectives than Megatron's (readings: CommDebugMode's counts, the layer).
+INPUT_NOT_SHARED = Mistake(
+    "a region's input not shared", lambda comm, fqn: bool(_unshared_inputs(comm, fqn)),
+    lambda comm, fqn: "; ".join(_unshared_inputs(comm, fqn)) + ". Give the module one shared replicated input: "
+                      "PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate(), "
+                      "use_local_output=False) on it, so its input gradient is all-reduced once.")
 
 
 def _check_collectives(comm: dict, n_layers: int) -> None:
@@ -417,9 +491,11 @@ def _check_collectives(comm: dict, n_layers: int) -> None:
         fqn = f"TinyTransformer.layers.{layer}"
         counts = comm.get(fqn, {"forward": {}, "backward": {}})
         if counts != _PER_LAYER:
-            raise CheckFailed(f"layers.{layer} does forward {counts['forward']} and backward "
-                              f"{counts['backward']}, expected {_PER_LAYER['forward']} and "
-                              f"{_PER_LAYER['backward']}: " + _why_extra_all_reduces(comm, fqn))
+            does = (f"layers.{layer} does forward {counts['forward']} and backward {counts['backward']}, expected "
+                    f"{_PER_LAYER['forward']} and {_PER_LAYER['backward']}: ")
+            name_the_first((INPUT_NOT_SHARED,), comm, fqn, before=does)
+            raise CheckFailed(does + " Megatron's layer needs one all-reduce after attention and one after the MLP, "
+                              "in forward and in backward.")
 
 
 def check_tp_plan(results, plan: str = "tp_plan", rtol: float = 1e-9, atol: float = 1e-12) -> None:
