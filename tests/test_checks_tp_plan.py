@@ -48,7 +48,8 @@ MISTAKES = {
 # Each plant by the mistake the check's tables name it (tests/named.py).
 PLANTED_MISTAKE = {"mlp_both_colwise": "feed_forward both colwise", "attention_both_colwise": "attention both colwise",
                    "mlp_row_then_column": "feed_forward row then column",
-                   "attention_row_then_column": "attention row then column", "logits_not_replicated": "logits not replicated", "embedding_left_whole": "a weight left whole",
+                   "attention_row_then_column": "attention row then column",
+                   "logits_not_replicated": "logits not replicated", "embedding_left_whole": "a weight left whole",
                    "attention_input_not_shared": "a region's input not shared"}
 CHECK_MODULE, PLANTS = tensor_parallel, {name: plant for plant, name in PLANTED_MISTAKE.items()}
 

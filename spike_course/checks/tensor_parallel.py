@@ -151,7 +151,8 @@ NOT_SHIFTED = Mistake(
 # What the worker measured, whatever the layer reports as its weight: the elements of every
 # tensor the layer keeps; and the collectives of its forward (CommDebugMode).
 TABLE_NOT_SPLIT = Mistake(
-    "whole table kept", lambda k: k.got.get("held") is not None and k.n > 1 and k.got["held"] > k.split.rows * k.split.dim,
+    "whole table kept",
+    lambda k: k.got.get("held") is not None and k.n > 1 and k.got["held"] > k.split.rows * k.split.dim,
     lambda k: f"rank {k.r}'s layer keeps {k.got['held']} elements in its tensors (parameters, buffers and "
               f"attributes), but its rows of the table are {k.split.rows * k.split.dim}: it holds more of the table "
               "than its own rows, so the table is not split (Hint 1).")
@@ -377,7 +378,8 @@ PLAN_MISTAKES = (
     _both_columns("feed_forward"), _row_then_column("feed_forward"),
     _both_columns("attention"), _row_then_column("attention"),
     Mistake("logits not replicated",
-            lambda p: bool(_style_of(p.plan, "output")) and "Replicate" not in _style_of(p.plan, "output")["output_layouts"],
+            lambda p: bool(_style_of(p.plan, "output"))
+            and "Replicate" not in _style_of(p.plan, "output")["output_layouts"],
             "output is ColwiseParallel without output_layouts=Replicate(): each rank gets only its vocabulary "
             "slice of the logits, and the loss needs all of them."),
 )
