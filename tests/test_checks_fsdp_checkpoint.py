@@ -3,15 +3,19 @@ mistakes, each planted in a copy of the solution's worker: its save(step), resum
 batches(start). The saved job runs on 2 ranks (the fewest that shard anything), the resumed job
 on 1, another number of ranks as in the notebook (4, then 2), at a fraction of the cost."""
 
+import copy
 import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import spike_course
 from spike_course import checks, exercises
-from spike_course.checks import CheckFailed
+from spike_course.checks import CheckFailed, zero
+from named import mistake_of, names
 
 from planting import written_file
 
@@ -101,17 +105,30 @@ NO_SCHEDULER_LOADED = """\
 """
 
 
+MODEL_ONLY_SAVED = """\
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "scheduler": scheduler, "step": step}, checkpoint_id=args.checkpoint)
+"""
+SAVE_MISTAKES = {  # a mistake of the check's tables -> the planted bodies, what its message says
+    "gathered whole before the save": ({"save": FULL_STATE}, r"one whole piece, none as the 2 shards"),
+    "optimizer state keyed by number": ({"save": NUMBERED}, r"keyed by parameter numbers"),
+    "not a DCP checkpoint": ({"save": TORCH_SAVE}, r"no \.metadata: that is not a DCP checkpoint"),
+    "the scheduler not restored (left out of the save)": (
+        {"save": NO_SCHEDULER_SAVED, "resume": NO_SCHEDULER_LOADED},
+        r"scheduler stands at step 0, the saved job's stood at 3: the checkpoint holds no learning-rate schedule"),
+    "no optimizer state": ({"save": MODEL_ONLY_SAVED, "resume": NO_SCHEDULER_LOADED.replace(
+        '"optimizer": optimizer_state, ', "").replace('optim_state_dict=state["optimizer"]',
+                                                      "optim_state_dict=optimizer_state")},
+                           r"holds the model but no optimizer state"),
+}
+
+
 @pytest.mark.processes
-@pytest.mark.parametrize("bodies, message", [
-    ({"save": FULL_STATE}, r"one whole piece, none as the 2 shards"),
-    ({"save": NUMBERED}, r"keyed by parameter numbers"),
-    ({"save": TORCH_SAVE}, r"no \.metadata: that is not a DCP checkpoint"),
-    ({"save": NO_SCHEDULER_SAVED, "resume": NO_SCHEDULER_LOADED},
-     r"scheduler stands at step 0, the saved job's stood at 3: the checkpoint holds no learning-rate schedule"),
-], ids=["full_state_dict-saved", "optimizer.state_dict-saved", "torch.save-on-rank-0", "scheduler-left-out"])
-def test_a_save_mistake_is_named(worker, tmp_path, no_orphans, bodies, message):
+@pytest.mark.parametrize("name", SAVE_MISTAKES)
+def test_a_save_mistake_is_named(worker, tmp_path, no_orphans, name):
+    bodies, message = SAVE_MISTAKES[name]
     saved, resumed = run_both(worker(planted_worker(**bodies)), tmp_path / "checkpoint")
-    with pytest.raises(CheckFailed, match=message):
+    with names(mistake_of(name), says=message):
         checks.check_fsdp2_checkpoint(saved, resumed, tmp_path / "checkpoint")
 
 
@@ -139,17 +156,23 @@ STEP_NOT_READ = """\
 """
 
 
+RESUME_MISTAKES = {  # a mistake of the check's tables -> the planted resume(), what its message says
+    "the scheduler not restored": (NO_SCHEDULER_LOADED,
+                                   r"scheduler stands at step 0, the saved job's stood at 3: the checkpoint holds it"),
+    "the optimizer's hyperparameters not loaded": (
+        NOT_SET, r"learning rate is 0\.025, the saved job's was 0\.0434.*param_groups"),
+    "optimizer state not loaded": (MODEL_ONLY, r"momentum is all zeros"),
+    "the step not read back": (STEP_NOT_READ, r"resume\(\) returned 0, the checkpoint was written after step 3"),
+}
+
+
 @pytest.mark.processes
-@pytest.mark.parametrize("body, message", [
-    (NO_SCHEDULER_LOADED, r"scheduler stands at step 0, the saved job's stood at 3: the checkpoint holds it"),
-    (NOT_SET, r"learning rate is 0\.025, the saved job's was 0\.0434.*param_groups"),
-    (MODEL_ONLY, r"momentum is all zeros"),
-    (STEP_NOT_READ, r"resume\(\) returned 0, the checkpoint was written after step 3"),
-], ids=["scheduler-not-loaded", "no-set_state_dict", "optimizer-not-loaded", "step-not-read-back"])
-def test_a_resume_mistake_is_named(solved, worker, no_orphans, body, message):
+@pytest.mark.parametrize("name", RESUME_MISTAKES)
+def test_a_resume_mistake_is_named(solved, worker, no_orphans, name):
+    body, message = RESUME_MISTAKES[name]
     saved, _, checkpoint = solved
     resumed = launch(worker(planted_worker(resume=body)), checkpoint, RESUMED_RANKS, "--resume")
-    with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
+    with names(name, says=re.compile(message, re.S)):
         checks.check_fsdp2_checkpoint(saved, resumed, checkpoint)
 
 
@@ -171,14 +194,19 @@ EPOCH_FROM_ITS_START = """\
             yield step, batch_ids
             step += 1
 """
+DATA_MISTAKES = {  # a mistake of the check's tables -> the planted batches(), what its message says
+    "an epoch in another epoch's shuffle": (
+        NO_SET_EPOCH, r"step 4 of the saved job \(epoch 1\) trained the very samples of step 0 \(epoch 0\)"),
+    "the data restarted": (EPOCH_FROM_ITS_START, r"step 3 of the resumed job trained again the samples of step 0"),
+}
+
+
 @pytest.mark.processes
-@pytest.mark.parametrize("body, message", [
-    (NO_SET_EPOCH, r"step 4 of the saved job \(epoch 1\) trained the very samples of step 0 \(epoch 0\)"),
-    (EPOCH_FROM_ITS_START, r"step 3 of the resumed job trained again the samples of step 0"),
-], ids=["set_epoch-forgotten", "epoch-restarted"])
-def test_a_data_mistake_is_named(worker, tmp_path, no_orphans, body, message):
+@pytest.mark.parametrize("name", DATA_MISTAKES)
+def test_a_data_mistake_is_named(worker, tmp_path, no_orphans, name):
+    body, message = DATA_MISTAKES[name]
     saved, resumed = run_both(worker(planted_worker(batches=body)), tmp_path / "checkpoint")
-    with pytest.raises(CheckFailed, match=message):
+    with names(name, says=message):
         checks.check_fsdp2_checkpoint(saved, resumed, tmp_path / "checkpoint")
 
 
@@ -200,5 +228,99 @@ def test_saving_on_rank_0_only_is_named(solved):
     saved, resumed, checkpoint = solved
     hung = replace(saved, returncodes={0: 0, 1: 1}, output={0: [], 1: [
         "RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 60000ms for recv"]})
-    with pytest.raises(CheckFailed, match="every rank takes part in it"):
+    with names("the save entered by some ranks only", says="every rank takes part in it"):
         checks.check_fsdp2_checkpoint(hung, resumed, checkpoint)
+
+
+# --- what the solution's jobs reported, changed by hand (no launch) ---
+
+def _missing_checkpoint(saved, resumed, checkpoint):
+    return saved, resumed, checkpoint.parent / "elsewhere"
+
+
+def _one_shard_file(saved, resumed, checkpoint, tmp_path):
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint, copy)
+    next(copy.glob("*.distcp")).unlink()  # as if one rank wrote nothing
+    return saved, resumed, copy
+
+
+def _edited(result, change):
+    """``result`` with its reports deep-copied and changed by ``change(reports)``."""
+    reports = copy.deepcopy(result.reports)
+    change(reports)
+    return replace(result, reports=reports)
+
+
+def _a_parameter_more(saved, resumed, checkpoint):
+    def ghost(reports):
+        reports[0]["saved"]["params"]["ghost.weight"] = torch.zeros(1)
+    return _edited(saved, ghost), resumed, checkpoint
+
+
+def _loaded(change):
+    def plant(saved, resumed, checkpoint):
+        return saved, _edited(resumed, lambda reports: change(reports[0]["loaded"])), checkpoint
+    return plant
+
+
+def _resumed_trained(change):
+    def plant(saved, resumed, checkpoint):
+        return saved, _edited(resumed, lambda reports: change(reports[0]["trained"])), checkpoint
+    return plant
+
+
+def _nudge_all(loaded):
+    for name in loaded["params"]:
+        loaded["params"][name] = loaded["params"][name] + 1
+
+
+def _nudge_one(loaded):
+    name = next(iter(loaded["params"]))
+    loaded["params"][name] = loaded["params"][name] + 1
+
+
+def _another_momentum(loaded):
+    name = next(iter(loaded["momentum"]))
+    loaded["momentum"][name] = loaded["momentum"][name] * 2
+
+
+def _another_lr(trained):
+    trained[SAVE_AT]["lr"] = trained[SAVE_AT]["lr"] * 2
+
+
+def _a_step_dropped(trained):
+    del trained[max(trained)]
+
+
+def _ids_twice(trained):
+    ids = trained[SAVE_AT]["ids"]
+    trained[SAVE_AT]["ids"] = torch.cat([ids[:1], ids[:-1]])  # the first sample twice, the last never
+
+
+REPORTED = {  # a mistake of the check's tables -> how the solution's launches are changed, what is said
+    "nothing saved": (_missing_checkpoint, "nothing was saved at"),
+    "not every rank wrote": (_one_shard_file, "holds 1 shard files for 2 ranks"),
+    "the model left out": (_a_parameter_more, "no entry for 1 of the model's parameters \\(e.g. 'ghost.weight'\\)"),
+    "nothing loaded": (_loaded(_nudge_all), "holds none of the saved weights"),
+    "some weights differ": (_loaded(_nudge_one), "1 of \\d+ weights differ from the saved ones"),
+    "another momentum loaded": (_loaded(_another_momentum), "the momentum of .* is not the saved one"),
+    "another learning rate": (_resumed_trained(_another_lr), f"step {SAVE_AT} of the resumed job stepped with"),
+    "the wrong steps trained": (_resumed_trained(_a_step_dropped), "the resumed job trained steps"),
+    "not one global batch of different samples": (_resumed_trained(_ids_twice),
+                                                  f"in step {SAVE_AT} of the resumed job the ranks trained"),
+}
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("name", REPORTED)
+def test_a_mistake_reported_by_the_ranks_is_named(solved, tmp_path, name):
+    plant, says = REPORTED[name]
+    changed = plant(*solved, tmp_path) if plant is _one_shard_file else plant(*solved)
+    with names(name, says=says):
+        checks.check_fsdp2_checkpoint(*changed)
+
+
+CHECK_MODULE = zero  # tests/named.py
+PLANTS = {**SAVE_MISTAKES, **RESUME_MISTAKES, **DATA_MISTAKES, **REPORTED,
+          "the save entered by some ranks only": "test_saving_on_rank_0_only_is_named"}

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from spike_course.checks import CheckFailed, check_zero1
+from spike_course.checks import check_zero1, zero
+from named import mistake_of, names
 
 import course_files
 
@@ -24,59 +25,41 @@ def test_right_answer_passes(capsys):
     assert "check passed" in capsys.readouterr().out
 
 
-def test_not_all_gathered_is_named():
-    # each rank updated its own slice only; the other slice still holds the old values
-    stale = {r: START.clone() for r in range(WORLD)}
-    stale[0][0:5], stale[1][5:10] = DDP[0:5], DDP[5:10]
-    with pytest.raises(CheckFailed, match="not\\s+all-gathered"):
-        check_zero1(results(zero1=stale))
-
-
-def test_model_never_updated_is_named():
-    # the optimizer stepped its own copy of the slice; nothing was copied back into the model
-    untouched = {r: START.clone() for r in range(WORLD)}
-    with pytest.raises(CheckFailed, match="never changed.*not\\s+all-gathered"):
-        check_zero1(results(zero1=untouched))
-
-
-def test_a_gradient_wiped_before_the_step_is_not_blamed_on_the_gather():
-    # zero_grad between backward and step: the optimizer's own slice never moved either
-    untouched = {r: START.clone() for r in range(WORLD)}
-    unmoved = {r: START[r * 5:(r + 1) * 5].clone() for r in range(WORLD)}
-    with pytest.raises(CheckFailed, match="neither did the slice its optimizer holds: every step saw a zero "
-                                          "gradient") as caught:
-        check_zero1(results(zero1=untouched, stepped=unmoved))
-    assert "all-gathered" not in str(caught.value)
-
-
-def test_ranks_that_disagree_are_named():
+STALE = {r: START.clone() for r in range(WORLD)}  # each rank updated its own slice only
+STALE[0][0:5], STALE[1][5:10] = DDP[0:5], DDP[5:10]
+ONLY_RANK_0S = torch.cat([DDP[0:5], START[5:10]])  # every rank holds rank 0's update, no one else's
+UNTOUCHED = {r: START.clone() for r in range(WORLD)}
+# A mistake of the check's tables -> what the ranks report with it, and what its message says.
+PLANTS = {
     # after several steps without the gather every rank has drifted its own way
-    drifted = {0: DDP + 0.1, 1: DDP - 0.1}
-    with pytest.raises(CheckFailed, match="different parameters.*not\\s+all-gathered"):
-        check_zero1(results(zero1=drifted))
-
-
-def test_stepping_the_whole_model_is_named():
+    "ranks end apart": (dict(zero1=STALE), "different parameters.*not\\s+all-gathered"),
+    "ranks end apart (drifted)": (dict(zero1={0: DDP + 0.1, 1: DDP - 0.1}), "different parameters"),
+    "only its own slice updated": (dict(zero1={r: ONLY_RANK_0S.clone() for r in range(WORLD)}),
+                                   "its own slice \\[0, 5\\) matches DDP.*not\\s+all-gathered"),
+    # the optimizer stepped its own copy of the slice; nothing was copied back into the model
+    "the stepped slice never copied back": (dict(zero1=UNTOUCHED), "never changed.*not\\s+all-gathered"),
+    # zero_grad between backward and step: the optimizer's own slice never moved either
+    "gradient wiped before the step": (dict(zero1=UNTOUCHED, stepped={r: START[r * 5:(r + 1) * 5].clone()
+                                                                      for r in range(WORLD)}),
+                                       "neither did the slice its optimizer holds: every step saw a zero gradient"),
     # the parameters agree (the gradients were averaged) but every rank held all the state
-    with pytest.raises(CheckFailed, match="steps the whole model"):
-        check_zero1(results(optimizer_numel=(TOTAL, TOTAL)))
+    "the whole model stepped": (dict(optimizer_numel=(TOTAL, TOTAL)), "steps the whole model"),
+    "gradients not averaged": (dict(zero1={r: DDP * 2 for r in range(WORLD)}), "[Aa]verage the gradients"),
+    "slices do not tile (overlapping)": (dict(owned=((0, 5), (4, 10))), "do not tile"),
+    "slices do not tile (a gap)": (dict(owned=((0, 4), (5, 10))), "do not tile"),
+    "shard size rounded down": (dict(owned=((0, 5), (5, 9))), "stop at 9, not at 10: round the shard size up"),
+    "last slice past the end": (dict(owned=((0, 5), (5, 11))), "stop at 11, past the end of the model's 10 elements"),
+}
+CHECK_MODULE = zero  # tests/named.py
 
 
-def test_gradients_not_averaged_is_named():
-    wrong = {r: DDP * 2 for r in range(WORLD)}
-    with pytest.raises(CheckFailed, match="[Aa]verage the gradients"):
-        check_zero1(results(zero1=wrong))
-
-
-@pytest.mark.parametrize("owned, message", [
-    (((0, 5), (4, 10)), "do not tile"),  # overlapping
-    (((0, 4), (5, 10)), "do not tile"),  # a gap
-    (((0, 5), (5, 9)), "stop at 9, not at 10: round the shard size up"),  # shard size rounded down
-    (((0, 5), (5, 11)), "stop at 11, past the end of the model's 10 elements"),  # last slice not cut at the end
-])
-def test_slices_must_tile_the_model(owned, message):
-    with pytest.raises(CheckFailed, match=message):
-        check_zero1(results(owned=owned))
+@pytest.mark.parametrize("name", PLANTS)
+def test_each_mistake_is_named(name):
+    reported, says = PLANTS[name]
+    with names(mistake_of(name), says=says) as failure:
+        check_zero1(results(**reported))
+    if name == "gradient wiped before the step":
+        assert "all-gathered" not in str(failure.value)  # not blamed on the gather
 
 
 @pytest.mark.processes
@@ -95,7 +78,7 @@ def test_the_worker_with_its_gradient_wiped_or_a_decoy_optimizer_is_named(worker
                                   "    optimizer.step()\n")
     reports = launch(worker(wiped), nproc=2, args=["--steps", "2"], echo=False, progress=False,
                      timeout=120).reports
-    with pytest.raises(CheckFailed, match="every step saw a zero gradient"):
+    with names("gradient wiped before the step"):
         check_zero1(reports)
     check_zero1(launch(worker(source), nproc=2, args=["--steps", "2"], echo=False, progress=False,
                        timeout=120).reports)  # and the solution itself passes
@@ -111,5 +94,5 @@ def test_the_worker_with_its_gradient_wiped_or_a_decoy_optimizer_is_named(worker
     assert decoy.count("whole.step()") == 1
     reports = launch(worker(decoy), nproc=2, args=["--steps", "2"], echo=False, progress=False,
                      timeout=120).reports
-    with pytest.raises(CheckFailed, match=r"rank 0's optimizers kept state for \S+ elements .* the whole model"):
+    with names("the whole model stepped", says=r"rank 0's optimizers kept state for \S+ elements .* the whole model"):
         check_zero1(reports)
