@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from spike_course import launch
-from spike_course.checks import CheckFailed, check_resharded_resume
+from spike_course.checks import CheckFailed, check_resharded_resume, launching
+from named import mistake_of, names
 from spike_course.launcher import LaunchError
 
 import course_files
@@ -97,14 +98,14 @@ def test_planted_per_rank_batch_kept_is_named(solution, worker, tmp_path, no_orp
     """On 2 ranks this plant computes what the solution does (global batch // 2), so the
     solution's 2-rank runs and checkpoint serve; only the resume on 1 rank differs."""
     script = worker(plant(solution_worker(), 0, PER_RANK_BATCH_KEPT))
-    with pytest.raises(CheckFailed, match="per-rank batch kept when the world size changed"):
+    with names("per-rank batch kept", says="per-rank batch kept when the world size changed"):
         check(resume_from_the_solutions_checkpoint(solution, script, tmp_path))
 
 
 @pytest.mark.processes
 def test_planted_lr_times_world_size_is_named(worker, tmp_path, no_orphans):
     script = worker(plant(solution_worker(), 0, LR_TIMES_WORLD_SIZE))
-    with pytest.raises(CheckFailed, match="learning rate scaled with the number of ranks"):
+    with names("lr scaled with the world size", says="learning rate scaled with the number of ranks"):
         check(launch_all(script, tmp_path))
 
 
@@ -121,7 +122,7 @@ def test_planted_position_in_one_ranks_samples_is_named(solution, worker, tmp_pa
             "first_part": run(script, 2, "--ckpt", ckpt, "--stop-at", STOP_AT),
             "resumed": run(script, 1, "--ckpt", ckpt)}
     assert runs["resumed"][0]["resumed_from"] == STOP_AT // 2
-    with pytest.raises(CheckFailed, match=r"continued after step 6.*trained twice.*ONE rank"):
+    with names("steps trained twice", says=r"continued after step 6.*trained twice.*ONE rank"):
         check(runs)
 
 
@@ -140,7 +141,7 @@ def test_planted_epoch_left_at_zero_is_named(solution, worker, tmp_path, no_orph
     step = state["samples_seen"] // args.global_batch
     skip = step % steps_per_epoch   # the epoch is left at 0
 """))
-    with pytest.raises(CheckFailed, match="right place in the epoch but the wrong epoch's shuffle"):
+    with names("the wrong epoch's shuffle", says="right place in the epoch but the wrong epoch's shuffle"):
         check(resume_from_the_solutions_checkpoint(solution, script, tmp_path))
 
 
@@ -150,7 +151,7 @@ def test_planted_scheduler_not_restored_is_named(solution, worker, tmp_path, no_
     line = '    scheduler.load_state_dict(state["scheduler"])\n'
     assert source.count(line) == 1
     script = worker(source.replace(line, ""))
-    with pytest.raises(CheckFailed, match="scheduler was not restored"):
+    with names("scheduler not restored", says="scheduler was not restored"):
         check(resume_from_the_solutions_checkpoint(solution, script, tmp_path))
 
 
@@ -179,36 +180,44 @@ def scale_lr(report, factor, from_step=1):
             step["lr"] *= factor
 
 
-MISTAKES = {
-    "same-world-size": (lambda u, f, r: r.update(world_size=2), "as the first part did"),
-    "first-part-on-other-ranks": (lambda u, f, r: u.update(world_size=4), "launch both with the same nproc"),
-    "global-batch-per-rank": (lambda u, f, r: [set_samples(u, s, list(range(128))) for s in u["trained"]],
-                              r"each of the 2 ranks of the uninterrupted run took --global-batch"),
-    "lr-divided-by-ranks": (lambda u, f, r: scale_lr(u, 0.5), "learning rate divided by the number of ranks"),
-    "first-part-differs": (lambda u, f, r: set_samples(f, 3, u["trained"][4]["samples"]),
-                           "first part's step 3 differs"),
-    "started-from-zero": (lambda u, f, r: r.update(resumed_from=0), "started from step 0"),
-    "steps-lost": (lambda u, f, r: r.update(resumed_from=14), r"steps 13..14 are never trained"),
-    "model-not-restored": (lambda u, f, r: r["start"]["params"]["fc2.bias"].add_(1.0),
+MISTAKES = {  # a mistake of the check's tables -> the change to the solution's reports, what is said
+    "resumed on the same ranks": (lambda u, f, r: r.update(world_size=2), "as the first part did"),
+    "the first part on other ranks": (lambda u, f, r: u.update(world_size=4), "launch both with the same nproc"),
+    "the global batch on every rank": (lambda u, f, r: [set_samples(u, s, list(range(128))) for s in u["trained"]],
+                                       r"each of the 2 ranks of the uninterrupted run took --global-batch"),
+    "lr divided by the world size": (lambda u, f, r: scale_lr(u, 0.5), "learning rate divided by the number of ranks"),
+    "the first part differs": (lambda u, f, r: set_samples(f, 3, u["trained"][4]["samples"]),
+                               "first part's step 3 differs"),
+    "started from step 0": (lambda u, f, r: r.update(resumed_from=0), "started from step 0"),
+    "steps lost": (lambda u, f, r: r.update(resumed_from=14), r"steps 13..14 are never trained"),
+    "model not restored": (lambda u, f, r: r["start"]["params"]["fc2.bias"].add_(1.0),
                            "did not start from the saved model"),
-    "momentum-not-restored": (lambda u, f, r: r["start"].update(momentum={}), "optimizer state"),
-    "step-missing": (lambda u, f, r: r["trained"].pop(20), "expected 13..20"),
-    "skip-off-by-one": (lambda u, f, r: set_samples(r, 13, u["trained"][14]["samples"]),
-                        "the right epoch but 1 batch off"),
-    "epoch-and-skip-off": (lambda u, f, r: set_samples(r, 13, u["trained"][2]["samples"]),
+    "optimizer state not restored": (lambda u, f, r: r["start"].update(momentum={}), "optimizer state"),
+    "steps numbered wrong": (lambda u, f, r: r["trained"].pop(20), "trained 7 steps, 13..19, expected 13..20"),
+    "batches to skip off": (lambda u, f, r: set_samples(r, 13, u["trained"][14]["samples"]),
+                            "the right epoch but 1 batch off"),
+    "epoch and skip off": (lambda u, f, r: set_samples(r, 13, u["trained"][2]["samples"]),
                            "both the epoch and the batches to skip are off"),
-    "other-shuffle": (lambda u, f, r: set_samples(r, 13, range(64)), "no step of the uninterrupted run"),
-    "lr-rescaled-at-resume": (lambda u, f, r: scale_lr(r, 0.5), "learning rate rescaled at the resume"),
-    "optimizer-lr-not-restored": (lambda u, f, r: scale_lr(r, 4.0), "restore the optimizer's state"),
-    "scheduler-not-restored": (lambda u, f, r: scale_lr(r, 2.0, from_step=16), "scheduler was not restored"),
+    "another shuffle or split": (lambda u, f, r: set_samples(r, 13, range(64)), "no step of the uninterrupted run"),
+    "lr rescaled at the resume": (lambda u, f, r: scale_lr(r, 0.5), "learning rate rescaled at the resume"),
+    "the optimizer's lr not restored": (lambda u, f, r: scale_lr(r, 4.0), "restore the optimizer's state"),
+    "scheduler not restored (from the second step)": (lambda u, f, r: scale_lr(r, 2.0, from_step=16),
+                                                       "scheduler was not restored"),
 }
+CHECK_MODULE = launching  # tests/named.py
+PLANTS = {**MISTAKES, "per-rank batch kept": "test_planted_per_rank_batch_kept_is_named",
+          "lr scaled with the world size": "test_planted_lr_times_world_size_is_named",
+          "steps trained twice": "test_planted_position_in_one_ranks_samples_is_named",
+          "the wrong epoch's shuffle": "test_planted_epoch_left_at_zero_is_named",
+          "a world size that does not divide the global batch not refused":
+              "test_a_world_size_the_global_batch_does_not_split_over_must_be_refused"}
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_reported_mistakes_are_named(solution, name):
     edit, message = MISTAKES[name]
-    with pytest.raises(CheckFailed, match=message):
+    with names(mistake_of(name), says=message):
         check(edited(solution, edit))
 
 
@@ -244,7 +253,7 @@ def test_a_world_size_the_global_batch_does_not_split_over_must_be_refused(solut
     script.write_text(source[:start] + source[end:])
     silent = launch(script, nproc=3, args=ARGS, echo=False, progress=False, check=False, timeout=180)
     assert silent.ok
-    with pytest.raises(CheckFailed, match=r"does not split into 3 equal per-rank batches \(each rank took "
-                                          r"21, so a step was 63 samples\)"):
+    with names("a world size that does not divide the global batch not refused",
+               says=r"does not split into 3 equal per-rank batches \(each rank took 21, so a step was 63 samples\)"):
         check_resharded_resume(runs["uninterrupted"], runs["first_part"], runs["resumed"],
                                global_batch=GLOBAL_BATCH, lr=LR, uneven=silent)

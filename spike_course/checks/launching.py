@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ._common import CheckFailed, largest_difference, passed
+from ._common import CheckFailed, Mistake, largest_difference, name_the_first, passed
 
 # A learning rate is one float that the runs compute by the same few multiplications (the
 # scheduler's gamma), or a restored copy of it: runs that agree differ by a few roundings of
@@ -39,175 +39,259 @@ def _report(results: dict, name: str) -> dict:
     return report
 
 
-def _check_global_batch(report: dict, name: str, global_batch: int, first_world: int) -> None:
-    world, per_rank = report["world_size"], report["batch_size"]
-    sizes = sorted({len(step["samples"]) for step in report["trained"].values()})
-    if sizes == [global_batch]:
+class _Resume:
+    """The three runs' reports (rank 0's): uninterrupted ``u``, first part ``f``, resumed ``r``;
+    the world sizes, the step the first part stopped after and the last step."""
+
+    def __init__(self, u: dict, f: dict, r: dict, global_batch: int, lr: float):
+        self.u, self.f, self.r, self.global_batch, self.lr = u, f, r, global_batch, lr
+        self.old, self.new = f["world_size"], r["world_size"]
+        self.stopped, self.last = max(f["trained"]), max(u["trained"])
+
+    @property
+    def first_lr(self) -> float:
+        return self.u["trained"][min(self.u["trained"])]["lr"]
+
+    @property
+    def first_part_differs(self) -> int | None:
+        """The first step of the first part that differs from the uninterrupted run's, or None."""
+        u = self.u["trained"]
+        return next((s for s, step in sorted(self.f["trained"].items())
+                     if s not in u or step["samples"] != u[s]["samples"] or not _same_lr(step["lr"], u[s]["lr"])),
+                    None)
+
+    @property
+    def unit(self) -> str:
+        return ("The position was counted in a unit that depends on the world size (the samples or batches of ONE "
+                f"rank, of {self.u['batch_size']} samples on {self.old} ranks) and read back with another. Store a "
+                "position that means the same on any number of ranks: the samples seen by all ranks together "
+                "(step x global batch), or the global step, which is the same thing while the global batch is "
+                "fixed.")
+
+    @property
+    def other_params(self) -> str | None:
+        """The first parameter the resumed run started with that is not the first part's saved one."""
+        import torch
+
+        return next((name for name, saved in self.f["params"].items()
+                     if not torch.equal(self.r["start"]["params"][name], saved)), None)
+
+    @property
+    def momentum_restored(self) -> bool:
+        import torch
+
+        saved, loaded = self.f["momentum"], self.r["start"]["momentum"]
+        return saved.keys() == loaded.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+    @property
+    def misnumbered(self) -> bool:
+        got = self.r["trained"]
+        return (any(s not in got for s in range(self.stopped + 1, self.last + 1))
+                or any(s > self.last or s <= self.stopped for s in got))
+
+
+# How the runs were launched (readings: the resume).
+LAUNCH_MISTAKES = (
+    Mistake("the first part on other ranks", lambda x: x.u["world_size"] != x.old,
+            lambda x: f"the uninterrupted run ran on {x.u['world_size']} ranks and the first part on {x.old}: launch "
+                      "both with the same nproc, so that the first part is the uninterrupted run cut short."),
+    Mistake("resumed on the same ranks", lambda x: x.new == x.old,
+            lambda x: f"the resumed run ran on {x.new} ranks, as the first part did: this exercise resumes on another "
+                      "world size; launch it with another nproc."),
+)
+
+
+def _sizes(report: dict) -> list[int]:
+    return sorted({len(step["samples"]) for step in report["trained"].values()})
+
+
+# A run whose steps did not train the global batch (readings: its report, its name, the resume).
+BATCH_MISTAKES = (
+    Mistake("per-rank batch kept",
+            lambda report, name, x: x.old != report["world_size"]
+            and _sizes(report)[-1] == x.global_batch // x.old * report["world_size"],
+            lambda report, name, x: f"per-rank batch kept when the world size changed: the first part ran {x.old} "
+                                    f"ranks x {x.global_batch // x.old} = {x.global_batch} samples per step, the "
+                                    f"{name} run {report['world_size']} x {report['batch_size']} = "
+                                    f"{_sizes(report)[-1]}. The global batch is what changed, and it is a "
+                                    "hyperparameter: each step averages the gradient over other samples (and over more "
+                                    "or fewer of them), the learning rate was tuned for "
+                                    f"{x.global_batch}, and an epoch has another number of steps. Derive the per-rank "
+                                    "batch from the global one: batch_size = global_batch // WORLD_SIZE."),
+    Mistake("the global batch on every rank",
+            lambda report, name, x: _sizes(report)[-1] == x.global_batch * report["world_size"],
+            lambda report, name, x: f"each of the {report['world_size']} ranks of the {name} run took --global-batch "
+                                    f"= {x.global_batch} samples, so a step trained {_sizes(report)[-1]}: the global "
+                                    "batch is the number of samples of ALL ranks together. batch_size = global_batch "
+                                    "// WORLD_SIZE."),
+)
+
+# The first step's learning rate, against --lr (readings: the resume).
+LR_MISTAKES = (
+    Mistake("lr scaled with the world size",
+            lambda x: x.u["world_size"] > 1 and _same_lr(x.first_lr, x.lr * x.u["world_size"]),
+            lambda x: f"learning rate scaled with the number of ranks: the run on {x.u['world_size']} ranks started "
+                      f"with lr {x.first_lr:g} = {x.u['world_size']} x --lr {x.lr:g}, although its global batch is "
+                      f"{x.global_batch}, the batch --lr was tuned for. The linear scaling rule scales the lr with "
+                      "the GLOBAL batch; when only WORLD_SIZE changes and the global batch stays, the lr stays: lr = "
+                      "args.lr."),
+    Mistake("lr divided by the world size",
+            lambda x: x.u["world_size"] > 1 and _same_lr(x.first_lr, x.lr / x.u["world_size"]),
+            lambda x: f"learning rate divided by the number of ranks: the run on {x.u['world_size']} ranks started "
+                      f"with lr {x.first_lr:g} = --lr {x.lr:g} / {x.u['world_size']}. DDP already averages the "
+                      "gradients over the ranks; with the global batch that --lr was tuned for, use lr = args.lr."),
+)
+
+FIRST_PART_DIFFERS = Mistake(
+    "the first part differs", lambda x: x.first_part_differs is not None,
+    lambda x: f"the first part's step {x.first_part_differs} differs from the uninterrupted run's, although both ran "
+              f"on {x.old} ranks: launch them with the same arguments, --stop-at aside, and delete the checkpoint "
+              "before the first part (it must start from step 0).")
+
+# Where the resumed run continued, and what it started from (readings: the resume).
+RESUME_MISTAKES = (
+    Mistake("started from step 0", lambda x: x.r["resumed_from"] == 0 != x.stopped,
+            lambda x: f"the resumed run started from step 0 although the first part saved a checkpoint after step "
+                      f"{x.stopped}: pass it the same --ckpt, and set `step` (and epoch, skip) from the checkpoint."),
+    Mistake("steps trained twice", lambda x: x.r["resumed_from"] < x.stopped,
+            lambda x: f"the resumed run on {_ranks(x.new)} continued after step {x.r['resumed_from']}, but the "
+                      f"checkpoint was taken after step {x.stopped} on {x.old}: steps "
+                      f"{x.r['resumed_from'] + 1}..{x.stopped} are trained twice, their samples seen again. {x.unit}"),
+    Mistake("steps lost", lambda x: x.r["resumed_from"] > x.stopped,
+            lambda x: f"the resumed run on {_ranks(x.new)} continued after step {x.r['resumed_from']}, but the "
+                      f"checkpoint was taken after step {x.stopped} on {x.old}: the samples of steps "
+                      f"{x.stopped + 1}..{x.r['resumed_from']} are never trained. {x.unit}"),
+    Mistake("model not restored", lambda x: x.other_params is not None,
+            lambda x: f"the resumed run did not start from the saved model: its {x.other_params} differs from the "
+                      f"first part's after step {x.stopped}. Load the checkpoint's model state into the model before "
+                      "training (model.load_state_dict(state['model']))."),
+    Mistake("optimizer state not restored", lambda x: not x.momentum_restored,
+            "the resumed run did not start with the saved optimizer state: its momentum buffers are missing or "
+            "differ from the first part's. Save optimizer.state_dict() and load it; SGD's momentum (Adam's "
+            "moments) lives in the optimizer, not in the model."),
+    Mistake("steps numbered wrong", lambda x: x.misnumbered,
+            lambda x: f"the resumed run trained {len(x.r['trained'])} steps, {min(x.r['trained'])}.."
+                      f"{max(x.r['trained'])}, expected {x.stopped + 1}..{x.last}: it must number its steps on from "
+                      "the checkpoint's and stop at --steps, as the uninterrupted run does."),
+)
+
+
+class _ResumedStep:
+    """Resumed step ``s`` of the resume ``x``, which trained another set of samples than the
+    uninterrupted run's step s: which step of that run trained them (``j``, or None)."""
+
+    def __init__(self, x: _Resume, s: int):
+        ref, got = x.u["trained"], x.r["trained"]
+        self.s, self.per_epoch = s, x.u["steps_per_epoch"]
+        self.epoch, self.place = divmod(s - 1, self.per_epoch)
+        self.j = {tuple(step["samples"]): t for t, step in ref.items()}.get(tuple(got[s]["samples"]))
+        self.said = f"resumed step {s} (batch {self.place} of epoch {self.epoch})"
+        if self.j is not None:
+            self.j_epoch, self.j_place = divmod(self.j - 1, self.per_epoch)
+
+    @property
+    def again(self) -> str:
+        if self.j < self.s:
+            return f"the samples of step {self.j} trained twice"
+        return f"the samples of step {self.s}{f'..{self.j - 1}' if self.j - 1 > self.s else ''} never trained"
+
+
+# The samples a resumed step trained instead of its own (readings: the step).
+SAMPLE_MISTAKES = (
+    Mistake("another shuffle or split", lambda t: t.j is None,
+            lambda t: f"{t.said} trained a set of samples that no step of the uninterrupted run trained together: a "
+                      "different shuffle or a different split of the epoch over the ranks. Keep the sampler as given "
+                      "(shuffle=True, seed=0, drop_last=True), call set_epoch(epoch) before each epoch, and let each "
+                      "rank take global_batch // WORLD_SIZE samples per step."),
+    Mistake("the wrong epoch's shuffle", lambda t: t.j_place == t.place,
+            lambda t: f"{t.said} trained the samples of step {t.j}, batch {t.j_place} of epoch {t.j_epoch}: the right "
+                      f"place in the epoch but the wrong epoch's shuffle ({t.again}). set_epoch must get the epoch the "
+                      "checkpoint was in: epoch = step // steps_per_epoch, where an epoch is "
+                      f"{t.per_epoch} global steps on any number of ranks while the global batch is fixed."),
+    Mistake("batches to skip off", lambda t: t.j_epoch == t.epoch,
+            lambda t: f"{t.said} trained the samples of step {t.j}, batch {t.j_place} of the same epoch: the right "
+                      f"epoch but {abs(t.place - t.j_place)} batch{'es' if abs(t.place - t.j_place) > 1 else ''} off "
+                      f"({t.again}). skip = step % steps_per_epoch batches of THIS rank's loader: with the global "
+                      "batch fixed, one batch of each rank's loader is one global step on any number of ranks."),
+    Mistake("epoch and skip off", lambda t: True,
+            lambda t: f"{t.said} trained the samples of step {t.j}, batch {t.j_place} of epoch {t.j_epoch}: both the "
+                      f"epoch and the batches to skip are off ({t.again}). epoch, skip = divmod(step, "
+                      "steps_per_epoch), with `step` counted in global steps."),
+)
+
+
+def _lr_ratio(x: _Resume, s: int) -> float:
+    return x.r["trained"][s]["lr"] / x.u["trained"][s]["lr"]
+
+
+# A resumed step's learning rate that is not the uninterrupted run's (readings: the resume, the step).
+LR_SCHEDULE_MISTAKES = (
+    Mistake("lr rescaled at the resume",
+            lambda x, s: s == x.stopped + 1 and (_same_lr(_lr_ratio(x, s), x.new / x.old)
+                                                  or _same_lr(_lr_ratio(x, s), x.old / x.new)),
+            lambda x, s: f"learning rate rescaled at the resume: the first step on {_ranks(x.new)} used lr "
+                         f"{x.r['trained'][s]['lr']:g}, the uninterrupted run {x.u['trained'][s]['lr']:g} "
+                         f"({_lr_ratio(x, s):g} x, the ratio of the world sizes). The global batch did not change, so "
+                         "neither does the lr: keep what the restored optimizer and scheduler hold."),
+    Mistake("the optimizer's lr not restored", lambda x, s: s == x.stopped + 1,
+            lambda x, s: f"the first resumed step used lr {x.r['trained'][s]['lr']:g}, the uninterrupted run "
+                         f"{x.u['trained'][s]['lr']:g}: restore the optimizer's state (the lr lives in its "
+                         "param_groups) and the scheduler's, and leave them as they were saved."),
+    Mistake("scheduler not restored", lambda x, s: True,
+            lambda x, s: f"the learning-rate schedule is off from step {s} on (lr {x.r['trained'][s]['lr']:g}, "
+                         f"uninterrupted {x.u['trained'][s]['lr']:g}), although the first resumed step's lr was "
+                         "right: the scheduler was not restored, so it counts its steps from 0 again and decays at the "
+                         "wrong steps. Save scheduler.state_dict() and load it with scheduler.load_state_dict(...)."),
+)
+
+# A world size that does not divide the global batch cannot train the same steps: refused.
+def _not_refused(uneven, global_batch) -> str:
+    batch = uneven.reports.get(0, {}).get("batch_size")
+    took = f" (each rank took {batch}, so a step was {batch * uneven.nproc} samples)" if batch else ""
+    return (f"the job ran on {uneven.nproc} ranks with --global-batch {global_batch}, which does not split into "
+            f"{uneven.nproc} equal per-rank batches{took}: its steps are not the steps of the run it should continue, "
+            "yet it trained them silently.")
+
+
+UNEVEN_NOT_REFUSED = Mistake("a world size that does not divide the global batch not refused",
+                             lambda uneven, global_batch: uneven.ok, _not_refused)
+
+
+def _check_global_batch(report: dict, name: str, x: _Resume) -> None:
+    sizes = _sizes(report)
+    if sizes == [x.global_batch]:
         return
-    size = sizes[-1]
-    if first_world != world and size == global_batch // first_world * world:
-        raise CheckFailed(
-            f"per-rank batch kept when the world size changed: the first part ran {first_world} ranks x "
-            f"{global_batch // first_world} = {global_batch} samples per step, the {name} run "
-            f"{world} x {per_rank} = {size}. The global batch is what changed, and it is a hyperparameter: "
-            "each step averages the gradient over other samples (and over more or fewer of them), the "
-            f"learning rate was tuned for {global_batch}, and an epoch has another number of steps. Derive "
-            "the per-rank batch from the global one: batch_size = global_batch // WORLD_SIZE.")
-    if size == global_batch * world:
-        raise CheckFailed(
-            f"each of the {world} ranks of the {name} run took --global-batch = {global_batch} samples, "
-            f"so a step trained {size}: the global batch is the number of samples of ALL ranks together. "
-            "batch_size = global_batch // WORLD_SIZE.")
+    name_the_first(BATCH_MISTAKES, report, name, x)
     raise CheckFailed(
-        f"the steps of the {name} run trained {'/'.join(map(str, sizes))} samples on {world} ranks "
-        f"(per-rank batch {per_rank}), not --global-batch = {global_batch}: the per-rank batch times "
+        f"the steps of the {name} run trained {'/'.join(map(str, sizes))} samples on {report['world_size']} ranks "
+        f"(per-rank batch {report['batch_size']}), not --global-batch = {x.global_batch}: the per-rank batch times "
         "WORLD_SIZE must be the global batch, batch_size = global_batch // WORLD_SIZE.")
 
 
-def _check_lr(report: dict, lr: float, global_batch: int) -> None:
-    world = report["world_size"]
-    got = report["trained"][min(report["trained"])]["lr"]
-    if _same_lr(got, lr):
+def _check_lr(x: _Resume) -> None:
+    if _same_lr(x.first_lr, x.lr):
         return
-    if world > 1 and _same_lr(got, lr * world):
-        raise CheckFailed(
-            f"learning rate scaled with the number of ranks: the run on {world} ranks started with lr "
-            f"{got:g} = {world} x --lr {lr:g}, although its global batch is {global_batch}, the batch --lr "
-            "was tuned for. The linear scaling rule scales the lr with the GLOBAL batch; when only "
-            "WORLD_SIZE changes and the global batch stays, the lr stays: lr = args.lr.")
-    if world > 1 and _same_lr(got, lr / world):
-        raise CheckFailed(
-            f"learning rate divided by the number of ranks: the run on {world} ranks started with lr "
-            f"{got:g} = --lr {lr:g} / {world}. DDP already averages the gradients over the ranks; with the "
-            "global batch that --lr was tuned for, use lr = args.lr.")
-    raise CheckFailed(f"the first step used lr {got:g}, not --lr {lr:g}: with the global batch that --lr was "
-                      "tuned for, the run uses lr = args.lr.")
+    name_the_first(LR_MISTAKES, x)
+    raise CheckFailed(f"the first step used lr {x.first_lr:g}, not --lr {x.lr:g}: with the global batch that --lr "
+                      "was tuned for, the run uses lr = args.lr.")
 
 
-def _check_position(u: dict, f: dict, r: dict, stopped: int) -> None:
-    got = r["resumed_from"]
-    if got == stopped:
-        return
-    if got == 0:
-        raise CheckFailed(
-            f"the resumed run started from step 0 although the first part saved a checkpoint after step "
-            f"{stopped}: pass it the same --ckpt, and set `step` (and epoch, skip) from the checkpoint.")
-    old, new = f["world_size"], r["world_size"]
-    unit = ("The position was counted in a unit that depends on the world size (the samples or batches "
-            f"of ONE rank, of {u['batch_size']} samples on {old} ranks) and read back with another. Store "
-            "a position that means the same on any number of ranks: the samples seen by all ranks "
-            "together (step x global batch), or the global step, which is the same thing while the "
-            "global batch is fixed.")
-    if got < stopped:
-        raise CheckFailed(
-            f"the resumed run on {_ranks(new)} continued after step {got}, but the checkpoint was taken "
-            f"after step {stopped} on {old}: steps {got + 1}..{stopped} are trained twice, their samples "
-            f"seen again. {unit}")
-    raise CheckFailed(
-        f"the resumed run on {_ranks(new)} continued after step {got}, but the checkpoint was taken after "
-        f"step {stopped} on {old}: the samples of steps {stopped + 1}..{got} are never trained. {unit}")
-
-
-def _check_restored_state(f: dict, r: dict, stopped: int) -> None:
-    import torch
-
-    for name, saved in f["params"].items():
-        if not torch.equal(r["start"]["params"][name], saved):
-            raise CheckFailed(
-                f"the resumed run did not start from the saved model: its {name} differs from the first "
-                f"part's after step {stopped}. Load the checkpoint's model state into the model before "
-                "training (model.load_state_dict(state['model'])).")
-    saved, loaded = f["momentum"], r["start"]["momentum"]
-    if saved.keys() != loaded.keys() or any(not torch.equal(loaded[k], saved[k]) for k in saved):
-        raise CheckFailed(
-            "the resumed run did not start with the saved optimizer state: its momentum buffers are "
-            "missing or differ from the first part's. Save optimizer.state_dict() and load it; SGD's "
-            "momentum (Adam's moments) lives in the optimizer, not in the model.")
-
-
-def _check_samples(u: dict, r: dict, stopped: int, last: int) -> None:
-    ref, got = u["trained"], r["trained"]
-    missing = [s for s in range(stopped + 1, last + 1) if s not in got]
-    extra = sorted(s for s in got if s > last or s <= stopped)
-    if missing or extra:
-        raise CheckFailed(f"the resumed run trained {len(got)} steps, {min(got)}..{max(got)}, expected "
-                          f"{stopped + 1}..{last}: it must number its steps on from the checkpoint's and "
-                          "stop at --steps, as the uninterrupted run does.")
-    per_epoch = u["steps_per_epoch"]
-    by_samples = {tuple(step["samples"]): s for s, step in ref.items()}
-    for s in range(stopped + 1, last + 1):
-        if got[s]["samples"] == ref[s]["samples"]:
-            continue
-        epoch, place = divmod(s - 1, per_epoch)
-        j = by_samples.get(tuple(got[s]["samples"]))
-        said = f"resumed step {s} (batch {place} of epoch {epoch})"
-        if j is None:
-            raise CheckFailed(
-                f"{said} trained a set of samples that no step of the uninterrupted run trained together: "
-                "a different shuffle or a different split of the epoch over the ranks. Keep the sampler as "
-                "given (shuffle=True, seed=0, drop_last=True), call set_epoch(epoch) before each epoch, and "
-                "let each rank take global_batch // WORLD_SIZE samples per step.")
-        j_epoch, j_place = divmod(j - 1, per_epoch)
-        if j < s:
-            again = f"the samples of step {j} trained twice"
-        else:
-            again = f"the samples of step {s}{f'..{j - 1}' if j - 1 > s else ''} never trained"
-        if j_place == place:
-            raise CheckFailed(
-                f"{said} trained the samples of step {j}, batch {j_place} of epoch {j_epoch}: the right "
-                f"place in the epoch but the wrong epoch's shuffle ({again}). set_epoch must get the epoch "
-                "the checkpoint was in: epoch = step // steps_per_epoch, where an epoch is "
-                f"{per_epoch} global steps on any number of ranks while the global batch is fixed.")
-        if j_epoch == epoch:
-            off = abs(place - j_place)
-            raise CheckFailed(
-                f"{said} trained the samples of step {j}, batch {j_place} of the same epoch: the right epoch "
-                f"but {off} batch{'es' if off > 1 else ''} off ({again}). skip = step % steps_per_epoch "
-                "batches of THIS rank's loader: with the global batch fixed, one batch of each rank's "
-                "loader is one global step on any number of ranks.")
-        raise CheckFailed(
-            f"{said} trained the samples of step {j}, batch {j_place} of epoch {j_epoch}: both the epoch and "
-            f"the batches to skip are off ({again}). epoch, skip = divmod(step, steps_per_epoch), "
-            "with `step` counted in global steps.")
-
-
-def _check_lr_schedule(u: dict, f: dict, r: dict, stopped: int, last: int) -> None:
-    ref, got = u["trained"], r["trained"]
-    for s in range(stopped + 1, last + 1):
-        if _same_lr(got[s]["lr"], ref[s]["lr"]):
-            continue
-        ratio = got[s]["lr"] / ref[s]["lr"]
-        old, new = f["world_size"], r["world_size"]
-        if s == stopped + 1 and (_same_lr(ratio, new / old) or _same_lr(ratio, old / new)):
-            raise CheckFailed(
-                f"learning rate rescaled at the resume: the first step on {_ranks(new)} used lr "
-                f"{got[s]['lr']:g}, the uninterrupted run {ref[s]['lr']:g} ({ratio:g} x, the ratio of the "
-                "world sizes). The global batch did not change, so neither does the lr: keep what the "
-                "restored optimizer and scheduler hold.")
-        if s == stopped + 1:
-            raise CheckFailed(
-                f"the first resumed step used lr {got[s]['lr']:g}, the uninterrupted run {ref[s]['lr']:g}: "
-                "restore the optimizer's state (the lr lives in its param_groups) and the scheduler's, "
-                "and leave them as they were saved.")
-        raise CheckFailed(
-            f"the learning-rate schedule is off from step {s} on (lr {got[s]['lr']:g}, uninterrupted "
-            f"{ref[s]['lr']:g}), although the first resumed step's lr was right: the scheduler was not "
-            "restored, so it counts its steps from 0 again and decays at the wrong steps. Save "
-            "scheduler.state_dict() and load it with scheduler.load_state_dict(...).")
+def _check_resumed_steps(x: _Resume) -> None:
+    """Each resumed step trained the uninterrupted run's samples, with its learning rate."""
+    for s in range(x.stopped + 1, x.last + 1):
+        if x.r["trained"][s]["samples"] != x.u["trained"][s]["samples"]:
+            name_the_first(SAMPLE_MISTAKES, _ResumedStep(x, s))
+    for s in range(x.stopped + 1, x.last + 1):
+        if not _same_lr(x.r["trained"][s]["lr"], x.u["trained"][s]["lr"]):
+            name_the_first(LR_SCHEDULE_MISTAKES, x, s)
 
 
 def _check_uneven_refused(uneven, global_batch: int) -> None:
     """A world size that does not divide the global batch cannot train the same steps: refused."""
-    n = uneven.nproc
-    if global_batch % n == 0:
-        raise CheckFailed(f"the run meant to be refused ran on {n} ranks, which divide --global-batch "
+    if global_batch % uneven.nproc == 0:
+        raise CheckFailed(f"the run meant to be refused ran on {uneven.nproc} ranks, which divide --global-batch "
                           f"{global_batch}: launch it on a number of ranks that does not.")
-    if uneven.ok:
-        batch = uneven.reports.get(0, {}).get("batch_size")
-        raise CheckFailed(f"the job ran on {n} ranks with --global-batch {global_batch}, which does not split "
-                          f"into {n} equal per-rank batches" + (f" (each rank took {batch}, so a step was "
-                          f"{batch * n} samples)" if batch else "") + ": its steps are not the steps of the "
-                          "run it should continue, yet it trained them silently.")
+    name_the_first((UNEVEN_NOT_REFUSED,), uneven, global_batch)
 
 
 def check_resharded_resume(uninterrupted: dict, first_part: dict, resumed: dict, global_batch: int,
@@ -220,36 +304,22 @@ def check_resharded_resume(uninterrupted: dict, first_part: dict, resumed: dict,
     its --stop-at step (and saved a checkpoint), ``resumed`` the rest on another world size.
     ``uneven`` (a launch's result, optional) ran on a number of ranks that does not divide
     ``global_batch``: it must have been refused. Samples, learning rates, step numbers and the
-    restored state are compared exactly. The final parameters are not: the two world sizes add the same gradients in another order,
-    so they agree only up to rounding; the check prints how far apart they are.
+    restored state are compared exactly. The final parameters are not: the two world sizes add
+    the same gradients in another order, so they agree only up to rounding; the check prints how
+    far apart they are.
     """
     u = _report(uninterrupted, "uninterrupted")
     f = _report(first_part, "first-part")
     r = _report(resumed, "resumed")
-    old, new = f["world_size"], r["world_size"]
-    if u["world_size"] != old:
-        raise CheckFailed(f"the uninterrupted run ran on {u['world_size']} ranks and the first part on "
-                          f"{old}: launch both with the same nproc, so that the first part is the "
-                          "uninterrupted run cut short.")
-    if new == old:
-        raise CheckFailed(f"the resumed run ran on {new} ranks, as the first part did: this exercise resumes "
-                          "on another world size; launch it with another nproc.")
+    x = _Resume(u, f, r, global_batch, lr)
+    old, new, stopped, last = x.old, x.new, x.stopped, x.last
+    name_the_first(LAUNCH_MISTAKES, x)
     for report, name in ((u, "uninterrupted"), (f, "first-part"), (r, "resumed")):
-        _check_global_batch(report, name, global_batch, old)
-    _check_lr(u, lr, global_batch)
-
-    stopped, last = max(f["trained"]), max(u["trained"])
-    for s, step in sorted(f["trained"].items()):
-        if s not in u["trained"] or step["samples"] != u["trained"][s]["samples"] \
-                or not _same_lr(step["lr"], u["trained"][s]["lr"]):
-            raise CheckFailed(f"the first part's step {s} differs from the uninterrupted run's, although "
-                              f"both ran on {old} ranks: launch them with the same arguments, --stop-at "
-                              "aside, and delete the checkpoint before the first part (it must start from "
-                              "step 0).")
-    _check_position(u, f, r, stopped)
-    _check_restored_state(f, r, stopped)
-    _check_samples(u, r, stopped, last)
-    _check_lr_schedule(u, f, r, stopped, last)
+        _check_global_batch(report, name, x)
+    _check_lr(x)
+    name_the_first((FIRST_PART_DIFFERS,), x)
+    name_the_first(RESUME_MISTAKES, x)
+    _check_resumed_steps(x)
     if uneven is not None:
         _check_uneven_refused(uneven, global_batch)
 
