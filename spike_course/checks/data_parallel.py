@@ -2,11 +2,60 @@
 
 from __future__ import annotations
 
-from ._common import CheckFailed, all_close, close, largest_difference, launch_reports, passed
+from ._common import CheckFailed, Mistake, all_close, close, largest_difference, launch_reports, name_the_first, passed
 
 
 def _same_names_all_close(a: dict, b: dict, rtol: float, atol: float, factor: float = 1.0) -> bool:
     return a.keys() == b.keys() and all_close(a, b, factor, rtol, atol)
+
+
+class _Averaged:
+    """What one rank's call of average_gradients_flat left in .grad: the gradients still its own
+    batch's (``kept``), and the collectives it made."""
+
+    def __init__(self, rank: int, got: dict):
+        import torch
+
+        self.rank, self.grads, self.collectives = rank, got["grads"], got["collectives"]
+        self.kept = [name for name in got["grads"] if torch.equal(got["grads"][name], got["local"][name])]
+
+
+# A rank whose gradients are, some or all, still its own batch's (readings: the rank's call).
+NOT_AVERAGED = (
+    Mistake("no collective", lambda a: bool(a.kept) and not sum(a.collectives.values()),
+            lambda a: f"average_gradients_flat made no collective: rank {a.rank}'s gradients are its own batch's. Pack "
+                      "every .grad into one buffer, dist.all_reduce it, divide by the world size and copy the slices "
+                      "back into the .grads."),
+    Mistake("the buffer never copied back", lambda a: len(a.kept) == len(a.grads),
+            lambda a: f"the averaged buffer was never copied back into .grad: after your call rank {a.rank}'s "
+                      f"gradients are exactly its own batch's, although it made {_describe(a.collectives)}. torch.cat "
+                      "(like flatten of several tensors) makes a new tensor, a copy; the all-reduce changed that copy "
+                      "only. Write each slice back in place (p.grad.copy_(...)); assigning it to a loop variable (g = "
+                      "flat[...]) changes nothing."),
+    Mistake("some gradients not copied back", lambda a: bool(a.kept),
+            lambda a: f"only some gradients were copied back from the flat buffer: rank {a.rank}'s "
+                      f"{', '.join(a.kept)} still hold its own batch's gradient. Copy every parameter's slice."),
+)
+
+# A gradient that holds another part of the flat buffer (readings: (name, at, own) or None).
+MISALIGNED = Mistake(
+    "slices misaligned", lambda misplaced: misplaced is not None,
+    lambda misplaced: "the slices are misaligned: {0}.grad holds the buffer's values from position {1}, but {0}'s own "
+                      "gradient starts at {2}. Advance the offset by p.grad.numel() after each parameter, and unpack "
+                      "in the same order as you packed.".format(*misplaced))
+
+# Right gradients, but more than one collective (readings: the rank, its counts, the parameters).
+COLLECTIVE_MISTAKES = (
+    Mistake("one all-reduce per parameter", lambda rank, count, params: count.get("allreduce_", 0) > 1,
+            lambda rank, count, params: f"the gradients are right, but with {count.get('allreduce_', 0)} all-reduces "
+                                        f"in one step on rank {rank} (one per parameter? the model has {params}): "
+                                        "flatten into one buffer and all-reduce it once. Each collective pays its "
+                                        "start-up latency however small its tensor; that is why DDP packs the "
+                                        "gradients into buckets."),
+    Mistake("other collectives", lambda rank, count, params: sum(count.values()) != 1,
+            lambda rank, count, params: f"the gradients are right, but rank {rank} made {_describe(count)} in one "
+                                        "step: one all-reduce (SUM) of one flat buffer is all it takes."),
+)
 
 
 def check_flat_allreduce(job, reference: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
@@ -22,51 +71,17 @@ def check_flat_allreduce(job, reference: dict, rtol: float = 1e-4, atol: float =
     step, before averaging) and ``"collectives"`` (``CommDebugMode``'s counts of that
     averaging, by op name such as ``"allreduce_"``).
     """
-    import torch
-
     ranks = launch_reports(job, "average_gradients_flat")
     for rank, got in sorted(ranks.items()):
         if "collectives" not in got or "local" not in got:
             raise CheckFailed(f"rank {rank} did not report 'local' and 'collectives': run the worker as given, "
                               "with only average_gradients_flat changed.")
-        kept = [name for name in got["grads"] if torch.equal(got["grads"][name], got["local"][name])]
-        if not kept:
-            continue
-        if not sum(got["collectives"].values()):
-            raise CheckFailed(
-                f"average_gradients_flat made no collective: rank {rank}'s gradients are its own batch's. "
-                "Pack every .grad into one buffer, dist.all_reduce it, divide by the world size and copy "
-                "the slices back into the .grads.")
-        if len(kept) == len(got["grads"]):
-            raise CheckFailed(
-                f"the averaged buffer was never copied back into .grad: after your call rank {rank}'s "
-                f"gradients are exactly its own batch's, although it made {_describe(got['collectives'])}. "
-                "torch.cat (like flatten of several tensors) makes a new tensor, a copy; the all-reduce changed "
-                "that copy only. Write each slice back in place (p.grad.copy_(...)); assigning it to a loop "
-                "variable (g = flat[...]) changes nothing.")
-        raise CheckFailed(f"only some gradients were copied back from the flat buffer: rank {rank}'s "
-                          f"{', '.join(kept)} still hold its own batch's gradient. Copy every parameter's slice.")
+        name_the_first(NOT_AVERAGED, _Averaged(rank, got))
     zero = ranks[min(ranks)]
-    misplaced = _misplaced_slice(zero["grads"], reference["grads"], rtol, atol)
-    if misplaced:
-        name, at, own = misplaced
-        raise CheckFailed(
-            f"the slices are misaligned: {name}.grad holds the buffer's values from position {at}, but "
-            f"{name}'s own gradient starts at {own}. Advance the offset by p.grad.numel() after each "
-            "parameter, and unpack in the same order as you packed.")
-    _compare_training(ranks, reference, rtol, atol)
-    counts = {rank: got["collectives"] for rank, got in ranks.items()}
-    for rank, count in sorted(counts.items()):
-        reduces, total = count.get("allreduce_", 0), sum(count.values())
-        if reduces > 1:
-            raise CheckFailed(
-                f"the gradients are right, but with {reduces} all-reduces in one step on rank {rank} (one per "
-                f"parameter? the model has {len(zero['grads'])}): flatten into one buffer and all-reduce it "
-                "once. Each collective pays its start-up latency however small its tensor; that is why DDP "
-                "packs the gradients into buckets.")
-        if total != 1:
-            raise CheckFailed(f"the gradients are right, but rank {rank} made {_describe(count)} in one step: "
-                              "one all-reduce (SUM) of one flat buffer is all it takes.")
+    name_the_first((MISALIGNED,), _misplaced_slice(zero["grads"], reference["grads"], rtol, atol))
+    _compare_training(_Training(ranks, reference, rtol, atol))
+    for rank, got in sorted(ranks.items()):
+        name_the_first(COLLECTIVE_MISTAKES, rank, got["collectives"], len(zero["grads"]))
     passed(f"{len(ranks)} ranks trained exactly like one process with the whole batch, averaging "
            f"{len(zero['grads'])} gradients with one all-reduce per step")
 
@@ -94,50 +109,86 @@ def _misplaced_slice(grads: dict, expected: dict, rtol: float, atol: float):
     return None
 
 
-def _compare_training(ranks: dict, reference: dict, rtol: float, atol: float) -> None:
-    """Raise CheckFailed naming the first way ``ranks`` did not train like ``reference``."""
-    world_size = len(ranks)
-    zero = ranks[min(ranks)]
-    for rank, got in sorted(ranks.items()):
-        diff, name = largest_difference(got["initial"], zero["initial"])
-        if diff > 0:
-            raise CheckFailed(
-                f"the weights were not broadcast at the start: before the first step rank {rank}'s {name} "
-                f"differs from rank {min(ranks)}'s by {diff:.3g}. Each rank built its model from its own "
-                "random seed, so the replicas train different models. Broadcast every parameter from rank 0 "
-                "(dist.broadcast(p.data, src=0)) before training, as DistributedDataParallel does.")
-    if not _same_names_all_close(zero["initial"], reference["initial"], rtol, atol):
-        diff, name = largest_difference(zero["initial"], reference["initial"])
-        raise CheckFailed(f"all ranks start from the same weights, but not rank 0's ({name} differs by {diff:.3g}): "
-                          "broadcast with src=0")
-    for rank, got in sorted(ranks.items()):
-        diff, name = largest_difference(got["grads"], zero["grads"])
-        if diff > atol + rtol * max(_largest_magnitude(zero["grads"]), 1e-12):
-            raise CheckFailed(
-                f"the gradients were not all-reduced: after backward rank {rank}'s {name}.grad differs from "
-                f"rank {min(ranks)}'s by {diff:.3g}, so each replica steps with its own batch's gradient and "
-                "the replicas drift apart. all_reduce every p.grad before optimizer.step().")
-    grads, expected = zero["grads"], reference["grads"]
-    if not _same_names_all_close(grads, expected, rtol, atol):
-        if world_size > 1 and _same_names_all_close(grads, expected, rtol, atol, factor=world_size):
-            raise CheckFailed(
-                f"the gradients were summed but not averaged: they are {world_size} times too big ({world_size} "
-                "is the world size). all_reduce with ReduceOp.SUM adds the ranks' gradients; divide "
-                "by dist.get_world_size() afterwards to get the mean over the whole batch.")
-        if world_size > 1 and _same_names_all_close(grads, expected, rtol, atol, factor=1 / world_size):
-            raise CheckFailed(
-                f"the gradients are 1/{world_size} of the single-process gradient: divided by the world size "
-                "twice (ReduceOp.AVG already averages), or divided without all-reducing first.")
-        diff, name = largest_difference(grads, expected)
+class _Training:
+    """The ranks' training (``ranks``, each reporting initial, grads and final) against one process
+    that trained on the whole batch (``reference``)."""
+
+    def __init__(self, ranks: dict, reference: dict, rtol: float, atol: float):
+        self.ranks, self.reference, self.rtol, self.atol = ranks, reference, rtol, atol
+        self.first = min(ranks)
+        self.zero, self.world = ranks[self.first], len(ranks)
+
+    def first_rank_where(self, key: str, differs) -> tuple | None:
+        """(rank, largest difference, where) of the first rank whose ``key`` differs from rank 0's by
+        ``differs(difference)``, or None."""
+        for rank, got in sorted(self.ranks.items()):
+            diff, name = largest_difference(got[key], self.zero[key])
+            if differs(diff):
+                return rank, diff, name
+        return None
+
+    @property
+    def unbroadcast(self):
+        return self.first_rank_where("initial", lambda diff: diff > 0)
+
+    @property
+    def unreduced(self):
+        scale = max(_largest_magnitude(self.zero["grads"]), 1e-12)
+        return self.first_rank_where("grads", lambda diff: diff > self.atol + self.rtol * scale)
+
+    def grads_times(self, factor: float) -> bool:
+        return self.world > 1 and _same_names_all_close(self.zero["grads"], self.reference["grads"], self.rtol,
+                                                        self.atol, factor=factor)
+
+    @property
+    def drifted(self):
+        """(rank, difference, where) of the first rank whose final model is not the reference's, or None."""
+        for rank, got in sorted(self.ranks.items()):
+            if not _same_names_all_close(got["final"], self.reference["final"], self.rtol, 10 * self.atol):
+                return (rank, *largest_difference(got["final"], self.reference["final"]))
+        return None
+
+
+# The first way the ranks did not train like the one process, in the order of a step: the start,
+# the gradients, then the whole training (readings: the training).
+TRAINING_MISTAKES = (
+    Mistake("weights not broadcast", lambda t: t.unbroadcast is not None,
+            lambda t: "the weights were not broadcast at the start: before the first step rank {0}'s {2} differs from "
+                      "rank {3}'s by {1:.3g}. Each rank built its model from its own random seed, so the replicas "
+                      "train different models. Broadcast every parameter from rank 0 (dist.broadcast(p.data, src=0)) "
+                      "before training, as DistributedDataParallel does.".format(*t.unbroadcast, t.first)),
+    Mistake("broadcast from another rank",
+            lambda t: not _same_names_all_close(t.zero["initial"], t.reference["initial"], t.rtol, t.atol),
+            lambda t: "all ranks start from the same weights, but not rank 0's ({1} differs by {0:.3g}): broadcast "
+                      "with src=0".format(*largest_difference(t.zero["initial"], t.reference["initial"]))),
+    Mistake("gradients not all-reduced", lambda t: t.unreduced is not None,
+            lambda t: "the gradients were not all-reduced: after backward rank {0}'s {2}.grad differs from rank {3}'s "
+                      "by {1:.3g}, so each replica steps with its own batch's gradient and the replicas drift apart. "
+                      "all_reduce every p.grad before optimizer.step().".format(*t.unreduced, t.first)),
+    Mistake("summed, not averaged", lambda t: t.grads_times(t.world),
+            lambda t: f"the gradients were summed but not averaged: they are {t.world} times too big ({t.world} is the "
+                      "world size). all_reduce with ReduceOp.SUM adds the ranks' gradients; divide by "
+                      "dist.get_world_size() afterwards to get the mean over the whole batch."),
+    Mistake("divided twice", lambda t: t.grads_times(1 / t.world),
+            lambda t: f"the gradients are 1/{t.world} of the single-process gradient: divided by the world size twice "
+                      "(ReduceOp.AVG already averages), or divided without all-reducing first."),
+)
+
+STEPS_AFTER_THE_FIRST = Mistake(
+    "the first step only", lambda t: t.drifted is not None,
+    lambda t: "the first step is right, but after training rank {0}'s {2} differs from the single-process model by "
+              "{1:.3g}: average the gradients in EVERY step, after loss.backward() and before optimizer.step() (and "
+              "zero them before each backward).".format(*t.drifted))
+
+
+def _compare_training(t: _Training) -> None:
+    """Raise CheckFailed naming the first way the ranks did not train like the one process."""
+    name_the_first(TRAINING_MISTAKES, t)
+    if not _same_names_all_close(t.zero["grads"], t.reference["grads"], t.rtol, t.atol):
+        diff, name = largest_difference(t.zero["grads"], t.reference["grads"])
         raise CheckFailed(f"the first step's gradients differ from the single-process gradients ({name} by "
                           f"{diff:.3g}): all-reduce (sum) every parameter's .grad, then divide by the world size")
-    for rank, got in sorted(ranks.items()):
-        if not _same_names_all_close(got["final"], reference["final"], rtol, 10 * atol):
-            diff, name = largest_difference(got["final"], reference["final"])
-            raise CheckFailed(
-                f"the first step is right, but after training rank {rank}'s {name} differs from the "
-                f"single-process model by {diff:.3g}: average the gradients in EVERY step, after "
-                "loss.backward() and before optimizer.step() (and zero them before each backward).")
+    name_the_first((STEPS_AFTER_THE_FIRST,), t)
 
 
 def _largest_magnitude(tensors: dict) -> float:
@@ -173,7 +224,7 @@ def check_distributed_accuracy(job, images, labels, log_probs) -> None:
     got = _same_on_every_rank(results, ranks)
     for metric in METRICS:
         if not _within(got[metric], expected[metric], tolerance[metric]):
-            raise CheckFailed(_mistake(metric, got[metric], expected, tolerance, runs, real, labels))
+            _check_value(_Value(metric, got[metric], expected, tolerance, runs, real, labels))
     _check_one_collective(ranks)
     passed(f"loss {float(got['loss']):.4f}, accuracy {float(got['accuracy']):.4f} and {len(got['recall'])} "
            f"recalls over the {len(labels)} test samples, the same on {len(ranks)} ranks as in one process, each "
@@ -198,24 +249,39 @@ def _result(rank: int, result, classes: int) -> dict:
     return values
 
 
+def _rows(got: dict) -> tuple:
+    """(rows the network's first layer counted, samples the model's own hook saw) of one rank."""
+    return got.get("first_layer_rows"), sum(len(inputs) for inputs, _, _ in got.get("forwards", []))
+
+
+# The worker counts the rows the network's first layer got, beside the model's own hook
+# (readings: the rank, its report).
+HOOK_MISTAKES = (
+    Mistake("the counting hook taken away",
+            lambda rank, got: _rows(got)[0] is not None and _rows(got)[0] < _rows(got)[1],
+            lambda rank, got: "rank {0}'s model ran on {2} samples during evaluate, but its first layer counted only "
+                              "{1}: evaluate removed the hook the worker counts with, so what the rank ran cannot be "
+                              "known. Leave the model's hooks as the worker set them.".format(rank, *_rows(got))),
+    Mistake("past the model's hook", lambda rank, got: _rows(got)[0] is not None and _rows(got)[0] > _rows(got)[1],
+            lambda rank, got: "rank {0}'s network ran on {1} samples during evaluate, but only {2} of them went "
+                              "through the model as model(x) runs it: the others went through model.forward (or its "
+                              "layers called by hand), which skips the model's hooks, so no one can tell which samples "
+                              "they were. Call the model itself, on the rank's shard only.".format(rank, *_rows(got))),
+)
+
+
 def _check_called_as_a_module(ranks: dict) -> None:
-    """The worker counts the rows the network's first layer got, beside the model's own hook:
-    rows the hook never saw went through the model by another way than model(x), and fewer
+    """Rows the hook never saw went through the model by another way than model(x), and fewer
     rows than the hook saw mean the worker's counting hook was taken away."""
     for rank, got in sorted(ranks.items()):
-        rows = got.get("first_layer_rows")
-        hooked = sum(len(inputs) for inputs, _, _ in got.get("forwards", []))
-        if rows is not None and rows < hooked:
-            raise CheckFailed(
-                f"rank {rank}'s model ran on {hooked} samples during evaluate, but its first layer counted only "
-                f"{rows}: evaluate removed the hook the worker counts with, so what the rank ran cannot be "
-                "known. Leave the model's hooks as the worker set them.")
-        if rows is not None and rows > hooked:
-            raise CheckFailed(
-                f"rank {rank}'s network ran on {rows} samples during evaluate, but only {hooked} of them went "
-                "through the model as model(x) runs it: the others went through model.forward (or its layers "
-                "called by hand), which skips the model's hooks, so no one can tell which samples they were. "
-                "Call the model itself, on the rank's shard only.")
+        name_the_first(HOOK_MISTAKES, rank, got)
+
+
+DROPOUT_ON = Mistake(
+    "dropout on", lambda rank, training: training,
+    lambda rank, training: f"rank {rank} ran the model in training mode during evaluate: dropout zeroed random "
+                           "activations, so its predictions and losses are those of a random thinned network, not of "
+                           "the model. Turn dropout off for the evaluation (Hint 2).")
 
 
 def _runs(ranks: dict, images) -> dict:
@@ -228,11 +294,7 @@ def _runs(ranks: dict, images) -> dict:
     for rank, got in sorted(ranks.items()):
         batches = []
         for inputs, outputs, training in got.get("forwards", []):
-            if training:
-                raise CheckFailed(
-                    f"rank {rank} ran the model in training mode during evaluate: dropout zeroed random "
-                    "activations, so its predictions and losses are those of a random thinned network, not of "
-                    "the model. Turn dropout off for the evaluation (Hint 2).")
+            name_the_first((DROPOUT_ON,), rank, training)
             found = [where.get(x.float().contiguous().numpy().tobytes()) for x in inputs]
             if None in found:
                 raise CheckFailed(f"rank {rank}'s model ran on inputs that are not images of the test set: give the "
@@ -244,33 +306,44 @@ def _runs(ranks: dict, images) -> dict:
     return runs
 
 
+class _Shard:
+    """What rank ``rank`` ran the model on (``ran``, test-set positions) against its
+    DistributedSampler(shuffle=False) shard of a test set of ``n`` on ``world`` ranks."""
+
+    def __init__(self, rank: int, batches: list, n: int, world: int):
+        self.rank, self.n, self.world = rank, n, world
+        total = -(-n // world) * world
+        order = (list(range(n)) * -(-total // n))[:total]  # the sampler's order, its repeats appended
+        self.ran = {i for indices, _ in batches for i in indices.tolist()}
+        self.real = set(range(rank, n, world))  # its positions below n
+        self.outside = sorted(self.ran - set(order[rank:total:world]))
+        self.missing = sorted(self.real - self.ran)
+
+
+# Each rank ran the model on its shard only, on every real sample of it (readings: the shard).
+SPLIT_MISTAKES = (
+    Mistake("the whole test set on every rank", lambda d: d.world > 1 and len(d.ran) == d.n,
+            lambda d: f"rank {d.rank} ran the model on all {d.n} test samples: every rank evaluated the whole test "
+                      f"set, so nothing was split (the right numbers, at {d.world} times the cost). Each rank runs the "
+                      "model only on the shard DistributedSampler(dataset, shuffle=False) deals it (Hint 1)."),
+    Mistake("another split", lambda d: bool(d.outside),
+            lambda d: f"rank {d.rank} ran the model on {len(d.outside)} samples of other ranks' shards (sample "
+                      f"{d.outside[0]}, for one): the test set was split otherwise than DistributedSampler(dataset, "
+                      "shuffle=False) splits it, the split the training loader uses (Hint 2)."),
+    Mistake("part of the shard never run", lambda d: bool(d.missing),
+            lambda d: f"rank {d.rank}'s model never ran on {len(d.missing)} of the {len(d.real)} samples of its shard "
+                      f"(sample {d.missing[0]}, for one), so nothing can count them: run the model on the whole shard, "
+                      "batch by batch (Hint 3)."),
+)
+
+
 def _check_split(runs: dict, n: int) -> dict:
     """Each rank ran the model on its DistributedSampler(shuffle=False) shard only, on every real
     sample of it. Returns each rank's real samples: its shard without the repeats."""
-    world = len(runs)
-    total = -(-n // world) * world
-    order = (list(range(n)) * -(-total // n))[:total]  # the sampler's order, its repeats appended
-    real = {rank: set(range(rank, n, world)) for rank in runs}  # the positions below n
-    for rank, batches in sorted(runs.items()):
-        ran = {i for indices, _ in batches for i in indices.tolist()}
-        if world > 1 and len(ran) == n:
-            raise CheckFailed(
-                f"rank {rank} ran the model on all {n} test samples: every rank evaluated the whole test set, so "
-                f"nothing was split (the right numbers, at {world} times the cost). Each rank runs the model only "
-                "on the shard DistributedSampler(dataset, shuffle=False) deals it (Hint 1).")
-        outside = sorted(ran - set(order[rank:total:world]))
-        if outside:
-            raise CheckFailed(
-                f"rank {rank} ran the model on {len(outside)} samples of other ranks' shards (sample {outside[0]}, "
-                "for one): the test set was split otherwise than DistributedSampler(dataset, shuffle=False) "
-                "splits it, the split the training loader uses (Hint 2).")
-        missing = sorted(real[rank] - ran)
-        if missing:
-            raise CheckFailed(
-                f"rank {rank}'s model never ran on {len(missing)} of the {len(real[rank])} samples of its shard "
-                f"(sample {missing[0]}, for one), so nothing can count them: run the model on the whole shard, "
-                "batch by batch (Hint 3).")
-    return real
+    shards = {rank: _Shard(rank, batches, n, len(runs)) for rank, batches in sorted(runs.items())}
+    for shard in shards.values():
+        name_the_first(SPLIT_MISTAKES, shard)
+    return {rank: shard.real for rank, shard in shards.items()}
 
 
 def _sums(indices, log_probs, labels) -> dict:
@@ -353,6 +426,67 @@ def _same_on_every_rank(results: dict, ranks: dict) -> dict:
     return results[first]
 
 
+class _Value:
+    """A wrong value of ``metric`` against the one process's (``expected``, within ``tolerance``),
+    and what the usual mistakes give for it, computed from the ranks' own log-probabilities."""
+
+    def __init__(self, metric, value, expected, tolerance, runs, real, labels):
+        self.metric, self.value, self.right, self.tolerance = metric, value, expected[metric], tolerance[metric]
+        self.runs, self.real, self.labels, self.n, self.world = runs, real, labels, len(labels), len(runs)
+
+    def shards(self, repeats_counted: bool) -> dict:
+        """Each rank's sums, batch by batch: of its real samples, or of every sample it ran."""
+        return {rank: [_sums(indices[k], out[k], self.labels) for (indices, out), k in
+                       zip(ran, [[repeats_counted or i in self.real[rank] for i in indices.tolist()]
+                                 for indices, _ in ran])]
+                for rank, ran in self.runs.items()}
+
+    def gives(self, repeats_counted: bool, how: str):
+        """What an evaluation returns for the metric when it averages ``how`` ("ratio of sums",
+        "ranks", "batches" or "precision"), counting the repeats or not; None where ``how`` does
+        not apply to this metric."""
+        batches = self.shards(repeats_counted)
+        shards = [_add(b) for b in batches.values()]
+        if how == "ratio of sums":
+            return _ratios(_add(shards))[self.metric]
+        if how == "ranks":
+            return _mean([_ratios(s) for s in shards])[self.metric]
+        if how == "precision":
+            return _ratios(_add(shards))["precision"] if self.metric == "recall" else None
+        if self.metric == "recall":  # a recall per batch is mostly 0/0: nobody averages those
+            return None
+        return _mean([_ratios(s) for b in batches.values() for s in b if s["seen"].sum()])[self.metric]
+
+    def matches(self, repeats_counted: bool, how: str) -> bool:
+        candidate = self.gives(repeats_counted, how)
+        return candidate is not None and _within(self.value, candidate, self.tolerance)
+
+    @property
+    def said(self) -> str:
+        if self.metric == "recall":
+            c = int((self.value - self.right).abs().nan_to_num(float("inf")).argmax())
+            return (f"the recall of class {c} is {self.value[c].item():.8g}, the one process's "
+                    f"{self.right[c].item():.8g}")
+        return f"the {self.metric} is {self.value.item():.8g}, the one process's {self.right.item():.8g}"
+
+    @property
+    def facts(self) -> dict:
+        """What the messages of the usual mistakes quote."""
+        per_rank = -(-self.n // self.world)
+        return dict(metric=self.metric, n=self.n, per_rank=per_rank, repeats=per_rank * self.world - self.n,
+                    counted=per_rank * self.world,
+                    sizes=" and ".join(str(len(self.real[rank])) for rank in sorted(self.real)),
+                    per_class=", and each class a different number on each rank" if self.metric == "recall" else "",
+                    batches=" and ".join(map(str, sorted({len(ix) for b in self.runs.values() for ix, _ in b},
+                                                         reverse=True))))
+
+    @property
+    def float32_bound(self):
+        """float32 sums of the n per-sample losses, in any order, then the all-reduce and the division:
+        at most gamma_(n+W+1) sum_i l_i / n <= (n + W + 2) u32 L off."""
+        return self.tolerance + (self.n + self.world + 2) * U32 * self.right
+
+
 PADDING = ("it counts the {repeats} repeat(s) that DistributedSampler added so that every rank gets {per_rank} "
            "samples ({counted} samples counted, the test set has {n}); a rank's model may run on a repeat, but the "
            "repeat must not count. Where do the repeats land in a rank's shard? (Hint 1)")
@@ -363,64 +497,52 @@ BATCHES = ("it is the mean of the per-batch {metric} values, but the batches dif
            "a small batch weighs as much as a full one: add up sums and counts, not means (Hint 1)")
 PRECISION = ("each class's value divides its right predictions by the samples PREDICTED as that class, which is "
              "the class's precision; its recall divides by the samples LABELLED with it (Hint 1)")
+HOW = {"ranks": RANKS, "batches": BATCHES, "precision": PRECISION, "ratio of sums": None}
 
 
-def _usual_mistakes(runs: dict, real: dict, labels, metric: str):
-    """(the mistakes, what they return for ``metric``), computed from the ranks' own log-probabilities."""
-    for padding in (False, True):  # the repeats left out, or counted
-        batches = {}
-        for rank, ran in runs.items():
-            keep = [[padding or i in real[rank] for i in indices.tolist()] for indices, _ in ran]
-            batches[rank] = [_sums(indices[k], out[k], labels) for (indices, out), k in zip(ran, keep)]
-        shards = [_add(b) for b in batches.values()]
-        said = [PADDING] if padding else []
-        if padding:
-            yield said, _ratios(_add(shards))[metric]
-        yield said + [RANKS], _mean([_ratios(s) for s in shards])[metric]
-        if metric == "recall":
-            yield said + [PRECISION], _ratios(_add(shards))["precision"]
-            continue
-        per_batch = {rank: [_ratios(s) for s in b if s["seen"].sum()] for rank, b in batches.items()}
-        yield said + [BATCHES], _mean([r for b in per_batch.values() for r in b])[metric]
-        yield said + [BATCHES, RANKS], _mean([_mean(b) for b in per_batch.values()])[metric]
+def _value_slip(name: str, repeats_counted: bool, how: str) -> Mistake:
+    """A usual mistake of the values: seen when the metric is what it gives, told by its parts."""
+    parts = [PADDING] * repeats_counted + [HOW[how]] * (HOW[how] is not None)
+    return Mistake(name, lambda v: v.matches(repeats_counted, how),
+                   lambda v: f"{v.said}: " + "; and ".join(part.format(**v.facts) for part in parts) + ".")
 
 
-def _facts(metric: str, runs: dict, real: dict, n: int) -> dict:
-    """What the messages of the usual mistakes quote."""
-    world = len(runs)
-    per_rank = -(-n // world)
-    return dict(metric=metric, n=n, per_rank=per_rank, repeats=per_rank * world - n, counted=per_rank * world,
-                sizes=" and ".join(str(len(real[rank])) for rank in sorted(real)),
-                per_class=", and each class a different number on each rank" if metric == "recall" else "",
-                batches=" and ".join(map(str, sorted({len(ix) for b in runs.values() for ix, _ in b}, reverse=True))))
+# The usual wrong values, in this order (readings: the value). Averaging each rank's mean of its
+# batch means is not among them: DistributedSampler pads every shard to the same size, so every
+# rank has as many batches, and that mean is the mean of batch means.
+VALUE_MISTAKES = (
+    _value_slip("ratios of the ranks averaged", False, "ranks"),
+    _value_slip("precision for recall", False, "precision"),
+    _value_slip("mean of batch means", False, "batches"),
+    _value_slip("repeats counted", True, "ratio of sums"),
+    _value_slip("repeats counted and ratios of the ranks averaged", True, "ranks"),
+    _value_slip("repeats counted and precision for recall", True, "precision"),
+    _value_slip("repeats counted and mean of batch means", True, "batches"),
+)
 
 
-def _mistake(metric: str, value, expected: dict, tolerance: dict, runs: dict, real: dict, labels) -> str:
-    """What to say about a wrong ``metric``: the usual mistake it matches, float32 sums, or the difference."""
-    n, world, right = len(labels), len(runs), expected[metric]
-    if metric == "recall":
-        c = int((value - right).abs().nan_to_num(float("inf")).argmax())
-        said = f"the recall of class {c} is {value[c].item():.8g}, the one process's {right[c].item():.8g}"
-    else:
-        said = f"the {metric} is {value.item():.8g}, the one process's {right.item():.8g}"
-    for mistakes, candidate in _usual_mistakes(runs, real, labels, metric):
-        if _within(value, candidate, tolerance[metric]):
-            return f"{said}: " + "; and ".join(m.format(**_facts(metric, runs, real, n)) for m in mistakes) + "."
-    # float32 sums of the n per-sample losses, in any order, then the all-reduce and the division:
-    # at most gamma_(n+W+1) sum_i l_i / n <= (n + W + 2) u32 L off.
-    if metric == "loss" and _within(value, right, tolerance[metric] + (n + world + 2) * U32 * right):
-        return (f"{said}, off by {(value - right).abs().item():.2g}: more than the rounding of float32 "
-                f"log-probabilities allows ({tolerance[metric].item():.2g}), but as much as float32 sums lose. Sum "
-                "the losses in float64 (Hint 2).")
-    return (f"{said}, and none of the usual mistakes (repeats counted, ratios of the ranks or of the batches "
-            "averaged) gives that. Compare your steps with the shape of the code in Hint 3.")
+def _check_value(v: _Value) -> None:
+    """What to say about a wrong value: the usual mistake it matches, float32 sums, or the difference."""
+    name_the_first(VALUE_MISTAKES, v)
+    # Not a mistake of the table: on the exercise's test set a float32 sum of the per-sample
+    # losses, even one by one, stays within the tolerance (the tests tried it), so only a much
+    # larger evaluation gets here with it; the words are a likely cause, not a named mistake.
+    if v.metric == "loss" and _within(v.value, v.right, v.float32_bound):
+        raise CheckFailed(f"{v.said}, off by {(v.value - v.right).abs().item():.2g}: more than the rounding of "
+                          f"float32 log-probabilities allows ({v.tolerance.item():.2g}), but as much as float32 sums "
+                          "lose. Sum the losses in float64 (Hint 2).")
+    raise CheckFailed(f"{v.said}, and none of the usual mistakes (repeats counted, ratios of the ranks or of the "
+                      "batches averaged) gives that. Compare your steps with the shape of the code in Hint 3.")
+
+
+# Right results with more than one collective (readings: the rank, its counts).
+COLLECTIVES_IN_EVALUATE = Mistake(
+    "more than one collective in evaluate", lambda rank, counts: sum(counts.values()) != 1,
+    lambda rank, counts: f"the results are right, but rank {rank}'s evaluate made {sum(counts.values())} collectives "
+                         f"({_describe(counts)}): one tensor can carry every sum and count, in one all-reduce, and "
+                         "each collective pays its start-up latency (Hint 1).")
 
 
 def _check_one_collective(ranks: dict) -> None:
     for rank, got in sorted(ranks.items()):
-        counts = got.get("collectives", {})
-        if sum(counts.values()) != 1:
-            raise CheckFailed(
-                f"the results are right, but rank {rank}'s evaluate made {sum(counts.values())} collectives "
-                f"({_describe(counts)}): one tensor can carry every sum and count, in one all-reduce, and each "
-                "collective pays its start-up latency (Hint 1).")
+        name_the_first((COLLECTIVES_IN_EVALUATE,), rank, got.get("collectives", {}))
