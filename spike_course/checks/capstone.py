@@ -736,6 +736,15 @@ class _FirstAttemptJudged(Exception):
     """Stops a job once its first attempt is judged, when that is all that was asked for."""
 
 
+class _FailedByItself(Exception):
+    """Stops a job that torchrun restarts although the check never crashed it: its first attempt
+    failed by itself, and the restart would only fail again the same way (and take as long)."""
+
+    def __init__(self, job):
+        super().__init__()
+        self.job = job
+
+
 def _judged(script, folder, judge, first_attempt_only=False):
     """Run the job (crashed once, restarted), judge what its ranks did step by step, then
     start it on pretend GPUs and judge its choices there (or judge the first attempt only)."""
@@ -753,6 +762,8 @@ def _judged(script, folder, judge, first_attempt_only=False):
     judged = []
 
     def watch(job):  # attempt 0's mistakes are named as soon as it is over, not after the restart
+        if not judged and not job.of(CRASH_RANK, 0, "crash") and any((r, 1) in job.events for r in range(WORLD)):
+            raise _FailedByItself(job)
         if not judged and job.of(CRASH_RANK, 0, "crash") and all(_first_attempt_over(job, r) for r in range(WORLD)):
             judged.append(True)
             _first_attempt(job, checkpoint, judge)
@@ -766,6 +777,8 @@ def _judged(script, folder, judge, first_attempt_only=False):
                                              "CAPSTONE_SAVE_DELAY": str(SAVE_DELAY)})
     except _FirstAttemptJudged:
         return
+    except _FailedByItself as stopped:
+        job = stopped.job
     _joined(job)
     if job.timed_out or any(code != 0 for code in job.returncodes):
         for step in ONE_WRITER:  # two writers of one file often make the job fail: name the cause
