@@ -69,6 +69,22 @@ class LaunchError(RuntimeError):
         self.result = result
 
 
+_ERROR_LINE = re.compile(r"\s*[\w.]*(Error|Exception|Interrupt)\b")
+_ECHO = "closed by peer"  # what the other ranks say when the failed rank's connection went away
+
+
+@dataclass
+class Failure:
+    """Why a launch failed, read once: the rank whose error started it, its exit code, its last
+    error line ("(no error line)" if it printed none), and whether a rank stopped at an
+    exercise's ``raise NotImplementedError`` (a blank, not a bug)."""
+
+    rank: int | None
+    code: int | None
+    error: str
+    blank: bool
+
+
 @dataclass
 class LaunchResult:
     """What a launch gave back. ``reports[r]`` is what rank r reported, ``output[r]`` the
@@ -91,6 +107,25 @@ class LaunchResult:
         return (not self.timed_out and len(self.returncodes) > 0
                 and all(code == 0 for code in self.returncodes.values())
                 and self.agent_returncode in (None, 0))
+
+    @property
+    def failure(self) -> Failure | None:
+        """Why the launch failed (None if it did not): the launch cell's message and every check
+        name the same rank. The first rank that ended with an error by itself, in the order the
+        ranks ended; the others' errors ("Connection closed by peer") are usually its echo, so a
+        rank whose last error is such an echo comes after one with an error of its own."""
+        if self.ok:
+            return None
+        failed = [r for r in self.exit_order if self.returncodes.get(r) not in (0, None)]
+        if not failed:
+            others = [(r, c) for r, c in sorted(self.returncodes.items()) if c not in (0, None)]
+            failed = [r for r, c in others if c > 0] or [r for r, _ in others] or sorted(self.output)
+        errors = {r: next((line.strip() for line in reversed(self.output.get(r, [])) if _ERROR_LINE.match(line)),
+                          "(no error line)") for r in failed}
+        own = [r for r in failed if _ECHO not in errors[r]]
+        rank = (own or failed or [None])[0]
+        blank = any("NotImplementedError" in line for lines in self.output.values() for line in lines)
+        return Failure(rank, self.returncodes.get(rank), errors.get(rank, ""), blank)
 
     def __repr__(self) -> str:
         state = "ok" if self.ok else "FAILED"
@@ -373,18 +408,14 @@ def _failure(result, timeout):
             f"timed out after {timeout:g} s; stopped ranks {running}. A rank that never returns is "
             "usually waiting in a collective that another rank never entered, or on a recv "
             "that has no matching send. Raise timeout= if the work is just slow.", result=result)
-    # The first rank that ended with an error by itself: the others' errors ("Connection closed
-    # by peer") are usually its echo. Under torchrun, the agent's summary names it.
-    errors = [(r, result.returncodes[r]) for r in result.exit_order if result.returncodes.get(r) not in (0, None)]
-    if not errors:
-        failed = [(r, c) for r, c in result.returncodes.items() if c not in (0, None)]
-        errors = [(r, c) for r, c in failed if c > 0] or failed  # not one we stopped (code < 0)
-    if not errors:  # torchrun failed, and its summary named no rank (e.g. the rendezvous failed)
+    # Under torchrun, the agent's summary names the failed rank (its returncodes say which).
+    failure = result.failure
+    if failure.code in (0, None):  # torchrun failed, and its summary named no rank (e.g. the rendezvous failed)
         tail = "\n".join(result.agent_output[-TAIL_LINES:]) or "(no output)"
         return LaunchError(f"torchrun failed with exit code {result.agent_returncode} and named no "
                            f"rank.\n--- last lines of torchrun ---\n{tail}",
                            exit_code=result.agent_returncode, result=result)
-    rank, code = errors[0]
+    rank, code = failure.rank, failure.code
     tail = "\n".join(result.output.get(rank, [])[-TAIL_LINES:]) or "(no output)"
     return LaunchError(f"rank {rank} failed with exit code {code}; the other ranks were stopped.\n"
                        f"--- last lines of rank {rank} ---\n{tail}", rank=rank, exit_code=code, result=result)

@@ -459,3 +459,18 @@ def test_a_server_that_died_is_replaced_at_the_next_launch(worker, no_orphans):
     time.sleep(0.5)
     assert launch(script, nproc=2, echo=False).reports[1]["total"] == 1.0
     assert warm.server_pids() and not set(dead) & set(warm.server_pids())
+
+
+def test_the_launch_cell_and_the_check_name_the_same_failed_rank():
+    """One reading of a failure (LaunchResult.failure): rank 0 ended first, but its error only
+    echoes rank 1's lost connection; the launch's message and the check both name rank 1."""
+    from spike_course.checks import CheckFailed, launch_reports
+    from spike_course.launcher import LaunchResult, _failure
+
+    result = LaunchResult(nproc=2, returncodes={0: 1, 1: 1}, exit_order=[0, 1], output={
+        0: ["RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"],
+        1: ["Traceback (most recent call last):", "ValueError: the batch does not divide"]})
+    assert (result.failure.rank, result.failure.code, result.failure.blank) == (1, 1, False)
+    assert str(_failure(result, 10)).startswith("rank 1 failed with exit code 1")
+    with pytest.raises(CheckFailed, match=r"rank 1 failed \(exit code 1\) before it reported: ValueError: the batch"):
+        launch_reports(result, "the worker")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Callable, NamedTuple
 
 
@@ -97,19 +96,6 @@ def largest_difference(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
-def first_failure(job) -> tuple[int | None, int | None, str]:
-    """The rank of a launch whose error started it all, its exit code and its last error line
-    (the other ranks' "Connection closed by peer" is only their echo of it)."""
-    failed = sorted(r for r, code in job.returncodes.items() if code != 0) or sorted(job.output)
-    found = []
-    for rank in failed:
-        errors = [line.strip() for line in job.output.get(rank, [])
-                  if re.match(r"\s*[\w.]*(Error|Exception|Interrupt)\b", line)]
-        found.append((rank, job.returncodes.get(rank), errors[-1] if errors else "(no error line)"))
-    first = [f for f in found if "closed by peer" not in f[2]] or found or [(None, None, "")]
-    return first[0]
-
-
 def launch_reports(job, what: str) -> dict:
     """The ranks' reports of a launch made with ``check=False`` (so that a blank or broken
     exercise reaches its check), once what leaves nothing to compare has been named: ``what``
@@ -117,8 +103,8 @@ def launch_reports(job, what: str) -> dict:
     rank that failed before it reported. A plain {rank: report} dict passes through."""
     if not hasattr(job, "reports"):
         return job
-    output = "\n".join(line for lines in job.output.values() for line in lines)
-    if "NotImplementedError" in output:
+    failure = job.failure
+    if failure is not None and failure.blank:
         raise CheckFailed(f"{what} is not written yet: a rank stopped at `raise NotImplementedError`. "
                           "Replace that line with your code and run the workers again.")
     if job.timed_out:
@@ -126,9 +112,8 @@ def launch_reports(job, what: str) -> dict:
                           "that another rank never entered (every rank must make the same collective calls).")
     missing = [r for r in range(job.nproc) if r not in job.reports]
     if missing:
-        rank, code, error = first_failure(job)
-        if rank is None or code in (0, None):
+        if failure is None or failure.code in (0, None):
             raise CheckFailed(f"ranks {missing} reported nothing: every rank must run the whole worker.")
-        raise CheckFailed(f"rank {rank} failed (exit code {code}) before it reported: {error}. The launch "
-                          "cell above shows its traceback; fix that error first.")
+        raise CheckFailed(f"rank {failure.rank} failed (exit code {failure.code}) before it reported: "
+                          f"{failure.error}. The launch cell above shows its traceback; fix that error first.")
     return job.reports

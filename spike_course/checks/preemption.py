@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from ._common import CheckFailed, Mistake, first_failure, name_the_first, passed
+from ._common import CheckFailed, Mistake, name_the_first, passed
 
 GRACE = 3.0  # seconds between SIGTERM and SIGKILL: a step and a save of this job take milliseconds
 PLANTED = "step_999999"  # the half-written folder the check leaves, as a SIGKILL mid-save would
@@ -145,7 +145,7 @@ def _kill(beats: dict) -> None:
 
 
 def _not_written(job):
-    if "NotImplementedError" in "\n".join(line for lines in job.output.values() for line in lines):
+    if job.failure is not None and job.failure.blank:
         raise CheckFailed("safe_train.py is not written yet: a rank stopped at `raise NotImplementedError`. "
                           "Replace that line with your code and run the check again.")
 
@@ -191,7 +191,7 @@ def _after_sigterm(job, last, killed, ranks, what):
             "save (dcp.async_save) that nobody waited for: its future must be done, and the save known to "
             "be complete, before the process ends (Hint 4).")
     if not job.ok or sorted(job.reports) != list(range(job.nproc)):
-        rank, code, error = first_failure(job)
+        rank, code, error = job.failure.rank, job.failure.code, job.failure.error
         raise CheckFailed(f"in the {what}, rank {rank} failed after SIGTERM (exit code {code}): {error}. "
                           "The launch output shows its traceback.")
     stops = {r: (rep["step"], rep["stopped"]) for r, rep in job.reports.items()}
@@ -304,7 +304,7 @@ def check_preemption_safe(script, reference, *, steps: int = 30, seed: int | Non
     _started(job, "last launch")
     output = "\n".join(line for lines in job.output.values() for line in lines)
     if not job.ok or 0 not in job.reports:
-        rank, code, error = first_failure(job)
+        rank, code, error = job.failure.rank, job.failure.code, job.failure.error
         if PLANTED in output:
             raise CheckFailed(f"the last launch tried to load {PLANTED}, a checkpoint folder whose save never "
                               "finished (the check left it as a SIGKILL in the middle of a save would), and "

@@ -7,7 +7,7 @@ import functools
 import re
 from pathlib import Path
 
-from ._common import CheckFailed, Mistake, close, first_failure, launch_reports, name_the_first, passed
+from ._common import CheckFailed, Mistake, close, launch_reports, name_the_first, passed
 
 # --- exercise 1: ZeRO stage 1 by hand ---
 
@@ -402,7 +402,7 @@ def check_fsdp2_checkpoint(saved, resumed, checkpoint) -> None:
     if save_at is None:
         raise CheckFailed("the saved job reached no save: run the worker with --save-at (the cell above does).")
     if not saved.ok:
-        rank, code, error = first_failure(saved)
+        rank, code, error = saved.failure.rank, saved.failure.code, saved.failure.error
         failed = f"the job trained, but rank {rank} failed afterwards, while saving (exit code {code}): {error}."
         name_the_first((SAVED_ON_SOME_RANKS,), error, before=failed)
         raise CheckFailed(failed + " The cell above shows its traceback.")
