@@ -1,5 +1,6 @@
 """A check's verdict asserted by the mistake's name (``CheckFailed.mistake``), not by the
-words of its message, and the convention by which a test module says what it plants.
+words of its message (which must not hand over a line of any solution), and the convention by
+which a test module says what it plants.
 
 A test module that plants the mistakes of a check module's tables names that module in
 ``CHECK_MODULE`` and keeps its plants in ``PLANTS``, a dict keyed by mistake name: each key
@@ -13,6 +14,18 @@ import pytest
 
 from spike_course.checks import CheckFailed
 
+import course_files
+
+# A message names the mistake and points to the hints: it never hands over a line of the answer
+# (issue 40). The solutions' answer lines, long enough to be code and not a phrase a message may
+# share with them (a name, "return total").
+QUOTABLE = 30
+SOLUTION_LINES = {line.strip() for path in sorted((course_files.ROOT / "solutions").glob("*.ipynb"))
+                  for cell in course_files.notebook(path).cells if cell.cell_type == "code"
+                  for region in re.findall(r"### BEGIN SOLUTION.*?\n(.*?)### END SOLUTION", cell.source, re.S)
+                  for line in region.splitlines() if len(line.strip()) >= QUOTABLE
+                  and not line.strip().startswith(("#", '"""', "'''"))}
+
 
 @contextlib.contextmanager
 def names(mistake: str | None, says: str | None = None):
@@ -22,6 +35,8 @@ def names(mistake: str | None, says: str | None = None):
     with pytest.raises(CheckFailed) as failure:
         yield failure
     assert failure.value.mistake == mistake, f"named {failure.value.mistake!r}, not {mistake!r}:\n{failure.value}"
+    quoted = [line for line in SOLUTION_LINES if line in str(failure.value)]
+    assert not quoted, f"the message hands over the solution's line {quoted[0]!r}:\n{failure.value}"
     if says is not None:
         assert re.search(says, str(failure.value)), f"the message does not say {says!r}:\n{failure.value}"
 

@@ -206,17 +206,17 @@ SAMPLE_MISTAKES = (
     Mistake("the wrong epoch's shuffle", lambda t: t.j_place == t.place,
             lambda t: f"{t.said} trained the samples of step {t.j}, batch {t.j_place} of epoch {t.j_epoch}: the right "
                       f"place in the epoch but the wrong epoch's shuffle ({t.again}). set_epoch must get the epoch the "
-                      "checkpoint was in: epoch = step // steps_per_epoch, where an epoch is "
-                      f"{t.per_epoch} global steps on any number of ranks while the global batch is fixed."),
+                      f"checkpoint was in, counted in global steps: an epoch is {t.per_epoch} global steps on any "
+                      "number of ranks while the global batch is fixed (Hint 1)."),
     Mistake("batches to skip off", lambda t: t.j_epoch == t.epoch,
             lambda t: f"{t.said} trained the samples of step {t.j}, batch {t.j_place} of the same epoch: the right "
                       f"epoch but {abs(t.place - t.j_place)} batch{'es' if abs(t.place - t.j_place) > 1 else ''} off "
-                      f"({t.again}). skip = step % steps_per_epoch batches of THIS rank's loader: with the global "
-                      "batch fixed, one batch of each rank's loader is one global step on any number of ranks."),
+                      f"({t.again}). The batches to skip are counted in THIS rank's loader: with the global batch "
+                      "fixed, one batch of each rank's loader is one global step on any number of ranks (Hint 1)."),
     Mistake("epoch and skip off", lambda t: True,
             lambda t: f"{t.said} trained the samples of step {t.j}, batch {t.j_place} of epoch {t.j_epoch}: both the "
-                      f"epoch and the batches to skip are off ({t.again}). epoch, skip = divmod(step, "
-                      "steps_per_epoch), with `step` counted in global steps."),
+                      f"epoch and the batches to skip are off ({t.again}): both follow from the global step, "
+                      "counted in global steps, and the steps of an epoch (Hint 1)."),
 )
 
 

@@ -229,10 +229,9 @@ INITIALISATION_MISTAKES = (
             lambda r: not _tensors_equal(r.report["start"], r.report["initial"]),
             lambda r: f"rank {r.rank}: the model build() returned does not start from the weights `initial` (largest "
                       f"difference {largest_difference(r.report['start'], r.report['initial'])[0]:.3g}). After "
-                      "to_empty() the shards hold whatever was in that memory: load the weights with "
-                      "set_model_state_dict(model, checkpoint, options=StateDictOptions("
-                      "full_state_dict=True, broadcast_from_rank0=True)) after to_empty: rank 0 sends each "
-                      "rank its shards."),
+                      "to_empty() the shards hold whatever was in that memory: after to_empty the weights must "
+                      "come from rank 0's full state dict, rank 0 sending each rank its shards (Hint 2 names "
+                      "the call)."),
     Mistake("buffer left uninitialised",
             lambda r: not _tensors_equal(r.report["buffers"], r.report["expected_buffers"]),
             lambda r: f"rank {r.rank}: the buffer {', '.join(r.wrong_buffers)} of the model build() returned is not "
