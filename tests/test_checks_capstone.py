@@ -20,6 +20,8 @@ from spike_course import exercises, workers
 from spike_course.checks import CheckFailed, capstone, check_capstone_job, check_capstone_submit
 from spike_course.runai import submit_command, torchrun_command
 
+from named import mistake_of, names
+
 import course_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +64,7 @@ def test_the_exercise_starts_as_the_one_gpu_script_and_is_named_before_any_rank_
 def test_the_unconverted_script_is_named(tmp_path, no_orphans):
     script = tmp_path / "train.py"
     script.write_text(SINGLE)
-    with pytest.raises(CheckFailed, match=r"never called init_process_group(.|\n)*What your ranks did"):
+    with names("never joined a process group", says=r"never called init_process_group(.|\n)*What your ranks did"):
         check_capstone_job(script, tmp_path)
 
 
@@ -98,9 +100,9 @@ FIRST_ATTEMPT_MISTAKES = {
                              "steps_per_epoch = len(train_loader) // (args.batch_size // args.micro_batch)")],
                            "cosine decays over 8 optimizer steps"),
     # One process per node: every rank is LOCAL_RANK 0, so both read alike (the message names both).
-    "every rank writes": ([("if rank == 0:  # one log and one writer", "if True:  # one log and one writer")],
+    "more than one writer (every rank)": ([("if rank == 0:  # one log and one writer", "if True:  # one log and one writer")],
                           "rank 1, LOCAL_RANK 0 of the second node, wrote checkpoint.pt.partial too"),
-    "one writer per node": ([("if rank == 0:  # one log and one writer",
+    "more than one writer (LOCAL_RANK 0 on each node)": ([("if rank == 0:  # one log and one writer",
                               "if int(os.environ['LOCAL_RANK']) == 0:  # one log and one writer")],
                             "rank 1, LOCAL_RANK 0 of the second node, wrote checkpoint.pt.partial too"),
     "every rank prints": ([("step % args.log_every == 0 and rank == 0", "step % args.log_every == 0")],
@@ -146,9 +148,9 @@ MISTAKES = {
 # Mistakes that only a GPU node shows: the check's pretend-GPU start names them.
 GPU_MISTAKES = {
     # rank 2 is LOCAL_RANK 0 of the second node
-    "GPU from RANK": ([('device = torch.device("cuda", local_rank % gpus)', 'device = torch.device("cuda", rank)')],
+    "a GPU from RANK (set_device)": ([('device = torch.device("cuda", local_rank % gpus)', 'device = torch.device("cuda", rank)')],
                       "rank 2 is LOCAL_RANK 0 on its node, but torch.cuda.set_device got GPU 2"),
-    "device_ids from RANK": ([("device_ids=[device.index] if", "device_ids=[rank] if")],
+    "a GPU from RANK (DDP's device_ids)": ([("device_ids=[device.index] if", "device_ids=[rank] if")],
                              "rank 2 is LOCAL_RANK 0 on its node, but DDP's device_ids got GPU 2"),
     "a GPU the node does not have": (
         [('device = torch.device("cuda", local_rank % gpus)', 'device = torch.device("cuda", local_rank)')],
@@ -167,11 +169,11 @@ GPU_MISTAKES = {
 # (the arithmetic, the schedule, the metrics log, the epochs) or make the job fail: alone.
 GROUPS = [
     ["train mode dropped", "every rank prints", "written in place", "no barrier", "whole test set everywhere",
-     "gloo on GPUs", "device_ids from RANK"],
+     "gloo on GPUs", "a GPU from RANK (DDP's device_ids)"],
     ["set_epoch forgotten", "copied, not renamed", "no set_device",
      "no destroy_process_group"],
     ["metric not all-reduced", "no map_location", "device_ids not a list", "a GPU the node does not have"],
-    ["another order after the restart", "scheduler not restored", "GPU from RANK"],
+    ["another order after the restart", "scheduler not restored", "a GPU from RANK (set_device)"],
 ]
 # First-attempt mistakes the check names before the restart, planted together: the job is
 # stopped once its first attempt is judged, as a learner's is.
@@ -201,21 +203,27 @@ def test_every_mistake_is_planted_once():
     assert all(name in FIRST_ATTEMPT_MISTAKES for group in FIRST_ATTEMPT_GROUPS for name in group)
 
 
+CHECK_MODULE = capstone  # tests/named.py: the check's tables, each mistake planted here
+PLANTS = {**ALL_MISTAKES, "never joined a process group": "test_the_unconverted_script_is_named",
+          "a rank waits for ever": "test_a_hanging_rank_is_stopped_with_a_clear_message"}
+
+
 def planted_alone_is_named(tmp_path, name):
     changes, message = ALL_MISTAKES[name]
-    with pytest.raises(CheckFailed, match=message):
+    with names(mistake_of(name), says=message):
         check_capstone_job(plant(tmp_path, *changes), tmp_path)
 
 
 def planted_together_are_each_named(tmp_path, group, first_attempt_only=False, correct=()):
     """One launch of a script with every mistake of ``group`` (and the ``correct`` changes): the
-    check, collecting, says one message per mistake, each naming that mistake, and nothing else."""
+    check, collecting, names each of them once, with its words, and nothing else."""
     script = plant(tmp_path, *[change for name in group for change in ALL_MISTAKES[name][0]], *correct)
-    said = [message.split("\n\nWhat your ranks did")[0]
-            for message in capstone.capstone_job_mistakes(script, tmp_path, first_attempt_only)]
-    named = [[name for name in group if re.search(ALL_MISTAKES[name][1], message)] for message in said]
-    assert all(len(names) == 1 for names in named), "\n\n".join(said)  # each message one mistake's
-    assert sorted(sum(named, [])) == sorted(group), "\n\n".join(said)
+    failures = capstone.capstone_job_mistakes(script, tmp_path, first_attempt_only)
+    said = "\n\n".join(f"[{failure.mistake}] {failure}" for failure in failures)
+    assert sorted(failure.mistake or "" for failure in failures) == sorted(mistake_of(name) for name in group), said
+    for name in group:
+        message = next(str(failure) for failure in failures if failure.mistake == mistake_of(name))
+        assert re.search(ALL_MISTAKES[name][1], message), said
 
 
 @pytest.mark.processes
@@ -236,7 +244,7 @@ def test_a_hanging_rank_is_stopped_with_a_clear_message(tmp_path, monkeypatch, n
     # Rank 1 never reaches DDP's first broadcast (as if stuck elsewhere); rank 0 waits in it.
     monkeypatch.setattr(capstone.capstone_run, "LAUNCH_TIMEOUT", 12)
     script = plant(tmp_path, ("    ddp_model = DDP(", "    if rank == 1:\n        __import__('time').sleep(600)\n    ddp_model = DDP("))
-    with pytest.raises(CheckFailed, match="more than 12 s"):
+    with names("a rank waits for ever", says="more than 12 s"):
         check_capstone_job(script, tmp_path)
 
 

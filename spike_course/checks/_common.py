@@ -32,17 +32,17 @@ class Mistake(NamedTuple):
     def text(self, *readings) -> str:
         return self.message(*readings) if callable(self.message) else self.message
 
-    def failure(self, *readings, before: str = "") -> CheckFailed:
+    def failure(self, *readings, before: str = "", after: str = "") -> CheckFailed:
         """The CheckFailed that names this mistake, its message made from ``readings``."""
-        return CheckFailed(before + self.text(*readings), mistake=self.name)
+        return CheckFailed(before + self.text(*readings) + after, mistake=self.name)
 
 
-def name_the_first(mistakes, *readings, before: str = "") -> None:
+def name_the_first(mistakes, *readings, before: str = "", after: Callable[[], str] | None = None) -> None:
     """Fail with the message of the first of ``mistakes`` that ``readings`` show (after
-    ``before``); return if none does."""
+    ``before``, and followed by what ``after()`` says); return if none does."""
     for mistake in mistakes:
         if mistake.seen(*readings):
-            raise mistake.failure(*readings, before=before)
+            raise mistake.failure(*readings, before=before, after=after() if after else "")
 
 
 def tables(module) -> dict[str, Mistake]:

@@ -38,7 +38,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import capstone_run
-from ._common import CheckFailed, passed
+from ._common import CheckFailed, Mistake, name_the_first, passed
 
 # The job the check runs: small enough for seconds on 2 CPU cores. TEST_SAMPLES is odd: a
 # DistributedSampler pads 201 samples to 2 x 101, so padded shards count a sample twice.
@@ -179,7 +179,14 @@ def what_ranks_did(job) -> str:
 
 
 def _fail(job, message):
+    """A failure no table names (a crash, a job that did not run as asked), with what the ranks did."""
     raise CheckFailed(f"{message}\n\n{what_ranks_did(job)}")
+
+
+def _judge_table(mistakes, job, *readings):
+    """Fail with the first of ``mistakes`` that ``job`` (and ``readings``) show, followed by what
+    the ranks did."""
+    name_the_first(mistakes, job, *readings, after=lambda: f"\n\n{what_ranks_did(job)}")
 
 
 # --- 0. before any rank starts ----------------------------------------------------------------
@@ -211,54 +218,85 @@ def _first_traceback(output) -> str:
     return (own or blocks or [output.strip()[-1500:]])[0]
 
 
+def _alone(job) -> list[int]:
+    """The ranks that worked in attempt 0, but in no process group."""
+    return [rank for rank, attempt in sorted(job.events) if attempt == 0 and job.of(rank, 0)
+            and not job.of(rank, 0, "init")]
+
+
+NEVER_JOINED = Mistake(
+    "never joined a process group", lambda job: bool(_alone(job)),
+    lambda job: f"ranks {_alone(job)} never called init_process_group: the script is still one process per copy, "
+                "and each copy trains alone (hint 1).")
+
+
 def _joined(job):
-    alone = [rank for rank, attempt in sorted(job.events)  # ranks that worked, but in no group
-             if attempt == 0 and job.of(rank, 0) and not job.of(rank, 0, "init")]
-    if alone:
-        _fail(job, f"ranks {alone} never called init_process_group: the script is still one process "
-                   "per copy, and each copy trains alone (hint 1).")
+    _judge_table((NEVER_JOINED,), job)
+
+
+# A job that did not run to its end (readings: the job, its first rank traceback).
+RAN_MISTAKES = (
+    Mistake("a rank waits for ever", lambda job, error: job.timed_out,
+            lambda job, error: f"your job ran for more than {capstone_run.LAUNCH_TIMEOUT} s on {TRAIN_SAMPLES} "
+                               "samples and was stopped: a rank most likely waits in a collective (all_reduce, "
+                               "barrier) that another rank never reaches, e.g. one inside `if rank == 0:` (hint 2)."),
+    Mistake("sampler and shuffle", lambda job, error: "mutually exclusive with shuffle" in error,
+            "DataLoader refused sampler= together with shuffle=True: the sampler decides the order now (hint 1)."),
+)
 
 
 def _ran(job):
-    if job.timed_out:
-        _fail(job, f"your job ran for more than {capstone_run.LAUNCH_TIMEOUT} s on {TRAIN_SAMPLES} samples "
-                   "and was stopped: a rank most likely waits in a collective (all_reduce, barrier) that "
-                   "another rank never reaches, e.g. one inside `if rank == 0:` (hint 2).")
-    if any(code != 0 for code in job.returncodes):
-        error = _first_traceback(job.output)
-        if "RendezvousTimeoutError" in job.output and 1 in job.attempts:
-            _fail(job, f"after the check crashed rank {CRASH_RANK}, torchrun could not restart the job: the "
-                       "other node's rank had already finished, so it never waited for rank "
-                       f"{CRASH_RANK} in a collective. Do the ranks all-reduce their gradients (hint 2)?")
-        if "mutually exclusive with shuffle" in error:
-            _fail(job, "DataLoader refused sampler= together with shuffle=True: the sampler decides the "
-                       "order now (hint 1).")
-        _fail(job, f"your job failed under torchrun. The first error of a rank:\n{error[-2500:]}")
+    error = _first_traceback(job.output)
+    _judge_table(RAN_MISTAKES, job, error)
+    if "RendezvousTimeoutError" in job.output and 1 in job.attempts:
+        _fail(job, f"after the check crashed rank {CRASH_RANK}, torchrun could not restart the job: the "
+                   "other node's rank had already finished, so it never waited for rank "
+                   f"{CRASH_RANK} in a collective. Do the ranks all-reduce their gradients (hint 2)?")
+    _fail(job, f"your job failed under torchrun. The first error of a rank:\n{error[-2500:]}")
+
+
+def _other_saver(job):
+    """The first save by another rank than 0, or None."""
+    return next((event for event in job.every("save") if event["rank"] != 0), None)
+
+
+def _metrics_writers(job) -> list[int]:
+    metrics = str(job.folder / "metrics.jsonl")
+    return sorted({e["rank"] for e in job.every("open") if e["path"] == metrics and e["rank"] != 0})
+
+
+def _talkers(job) -> list[int]:
+    return sorted({rank for rank, _ in job.events if rank != 0 and _lines_printed(job, rank) > 0})
+
+
+# One process of the whole job writes, logs and prints (readings: the job). With one process
+# per node every rank is LOCAL_RANK 0: a writer per rank and a writer per node read alike here.
+MORE_THAN_ONE_WRITER = Mistake(
+    "more than one writer", lambda job: _other_saver(job) is not None,
+    lambda job: f"rank {_other_saver(job)['rank']}, LOCAL_RANK {_other_saver(job)['local_rank']} of the second node, "
+                f"wrote {Path(_other_saver(job)['path']).name} too: one process of the whole job writes, RANK 0 (not "
+                "every rank, and not LOCAL_RANK 0, which exists on every node). Two writers of one file on the "
+                "shared volume corrupt it (hint 3).")
+EVERY_RANK_LOGS = Mistake(
+    "every rank logs metrics", lambda job: bool(_metrics_writers(job)),
+    lambda job: f"rank(s) {_metrics_writers(job)} also appended to the metrics log, so every line appears once per "
+                "rank: only rank 0 logs (hint 3).")
+EVERY_RANK_PRINTS = Mistake(
+    "every rank prints", lambda job: bool(_talkers(job)),
+    lambda job: f"rank(s) {_talkers(job)} printed {_lines_printed(job, _talkers(job)[0])} lines: on a node of 8 GPUs "
+                "every log line would appear 8 times (16 on two nodes). Print on rank 0 only (hint 3).")
 
 
 def _one_saver(job):
-    for event in job.every("save"):
-        if event["rank"] != 0:
-            # With one process per node, every rank is LOCAL_RANK 0: both conditions read alike here.
-            _fail(job, f"rank {event['rank']}, LOCAL_RANK {event['local_rank']} of the second node, wrote "
-                       f"{Path(event['path']).name} too: one process of the whole job writes, RANK 0 (not "
-                       "every rank, and not LOCAL_RANK 0, which exists on every node). Two writers of one "
-                       "file on the shared volume corrupt it (hint 3).")
+    _judge_table((MORE_THAN_ONE_WRITER,), job)
 
 
 def _one_metrics_writer(job):
-    metrics = str(job.folder / "metrics.jsonl")
-    writers = sorted({e["rank"] for e in job.every("open") if e["path"] == metrics and e["rank"] != 0})
-    if writers:
-        _fail(job, f"rank(s) {writers} also appended to the metrics log, so every line appears once per "
-                   "rank: only rank 0 logs (hint 3).")
+    _judge_table((EVERY_RANK_LOGS,), job)
 
 
 def _one_printer(job):
-    talkers = sorted({rank for rank, _ in job.events if rank != 0 and _lines_printed(job, rank) > 0})
-    if talkers:
-        _fail(job, f"rank(s) {talkers} printed {_lines_printed(job, talkers[0])} lines: on a node of 8 GPUs "
-                   "every log line would appear 8 times (16 on two nodes). Print on rank 0 only (hint 3).")
+    _judge_table((EVERY_RANK_PRINTS,), job)
 
 
 ONE_WRITER = (_one_saver, _one_metrics_writer, _one_printer)
@@ -267,73 +305,129 @@ ONE_WRITER = (_one_saver, _one_metrics_writer, _one_printer)
 # --- 2. training: the data, the batch, the gradients, the schedule -----------------------------
 
 
+def _shared(runs) -> set:
+    """The samples every rank trained in epoch 0."""
+    epoch0 = [set(runs[r].samples(runs[r].epoch(0))) for r in range(WORLD)]
+    return epoch0[0].intersection(*epoch0[1:])
+
+
+NO_SAMPLER = Mistake(
+    "no sampler", lambda job, runs: bool(_shared(runs)),
+    lambda job, runs: f"in epoch 0 the ranks trained on the same samples ({len(_shared(runs))} of them, e.g. sample "
+                      f"{min(_shared(runs))} on every rank): each rank repeats the others' work instead of taking its "
+                      "own part of the data (hint 1).")
+
+
 def _own_part_of_the_data(job, runs):
-    epoch0 = {r: runs[r].samples(runs[r].epoch(0)) for r in range(WORLD)}
-    shared = set(epoch0[0]).intersection(*map(set, list(epoch0.values())[1:]))
-    if shared:
-        _fail(job, f"in epoch 0 the ranks trained on the same samples ({len(shared)} of them, e.g. sample "
-                   f"{min(shared)} on every rank): each rank repeats the others' work instead of taking "
-                   "its own part of the data (hint 1).")
-    covered = set().union(*map(set, epoch0.values()))
+    _judge_table((NO_SAMPLER,), job, runs)
+    covered = set().union(*(set(runs[r].samples(runs[r].epoch(0))) for r in range(WORLD)))
     if len(covered) != TRAIN_SAMPLES:
         _fail(job, f"epoch 0 trained on {len(covered)} of the {TRAIN_SAMPLES} training samples (the "
                    "ranks' parts together should be the whole data set, once).")
 
 
+def _largest_forward(runs) -> int:
+    return max((max(map(len, s["micro"]), default=0) for r in range(WORLD) for s in runs[r].steps), default=0)
+
+
+def _step_sizes(runs) -> list[int]:
+    """The samples of each optimizer step, all ranks together."""
+    return [sum(len(runs[r].samples([runs[r].steps[step]])) for r in range(WORLD))
+            for step in range(min(len(runs[r].steps) for r in range(WORLD)))]
+
+
+def _global_batch_off(runs) -> tuple | None:
+    """(the first optimizer step whose samples are not the global batch, its samples), or None."""
+    return next(((step, total) for step, total in enumerate(_step_sizes(runs)) if total != GLOBAL_BATCH), None)
+
+
+BATCH_MISTAKES = (
+    Mistake("micro-batch grows", lambda job, runs: _largest_forward(runs) > MICRO_BATCH,
+            lambda job, runs: f"a forward pass took {_largest_forward(runs)} samples, more than --micro-batch "
+                              f"{MICRO_BATCH}: that is what fits in a GPU's memory, so keep it and change the "
+                              "accumulation (hint 2)."),
+    Mistake("global batch grows", lambda job, runs: _global_batch_off(runs) is not None,
+            lambda job, runs: "optimizer step {0} was computed from {1} samples over the {2} ranks, but --batch-size "
+                              "is {3} samples per optimizer step, the batch the learning rate was tuned for.{4} Keep "
+                              "the global batch whatever the world size (hint 2).".format(
+                                  *_global_batch_off(runs), WORLD, GLOBAL_BATCH,
+                                  " It grew with the number of ranks, at the same learning rate."
+                                  if _global_batch_off(runs)[1] == GLOBAL_BATCH * WORLD else "")),
+)
+
+
 def _global_batch(job, runs):
-    sizes = [[max(map(len, s["micro"]), default=0) for s in runs[r].steps] for r in range(WORLD)]
-    largest = max(max(s, default=0) for s in sizes)
-    if largest > MICRO_BATCH:
-        _fail(job, f"a forward pass took {largest} samples, more than --micro-batch {MICRO_BATCH}: that "
-                   "is what fits in a GPU's memory, so keep it and change the accumulation (hint 2).")
-    for step in range(min(len(runs[r].steps) for r in range(WORLD))):
-        total = sum(len(runs[r].samples([runs[r].steps[step]])) for r in range(WORLD))
-        if total != GLOBAL_BATCH:
-            grown = " It grew with the number of ranks, at the same learning rate." if total == GLOBAL_BATCH * WORLD else ""
-            _fail(job, f"optimizer step {step} was computed from {total} samples over the {WORLD} ranks, but "
-                       f"--batch-size is {GLOBAL_BATCH} samples per optimizer step, the batch the learning "
-                       f"rate was tuned for.{grown} Keep the global batch whatever the world size (hint 2).")
+    _judge_table(BATCH_MISTAKES, job, runs)
 
 
-def _same_start_and_train_mode(job, runs):
+def _started_apart(job) -> int | None:
+    """The first rank whose initial weights are not rank 0's, or None."""
     import torch
 
     first = job.weights(0, 0)
-    for rank in range(1, WORLD):
-        theirs = job.weights(rank, 0)
-        if first is not None and theirs is not None and any(not torch.equal(first[k], theirs[k]) for k in first):
-            _fail(job, f"rank {rank} started from other initial weights than rank 0: the ranks train "
-                       "different models (hint 2).")
-    for rank, attempt in job.events:
-        if any(e["kind"] == "forward" and e["grad"] and not e["training"] for e in job.of(rank, attempt)):
-            _fail(job, f"rank {rank} ran training forwards in eval mode: after the first evaluation the "
-                       "model was never put back in train mode (dropout and normalisation layers behave "
-                       "differently in eval mode).")
+    return next((rank for rank in range(1, WORLD) if first is not None and job.weights(rank, 0) is not None
+                 and any(not torch.equal(first[k], job.weights(rank, 0)[k]) for k in first)), None)
+
+
+def _trained_in_eval_mode(job) -> int | None:
+    """The first rank that ran a training forward in eval mode, or None."""
+    return next((rank for rank, attempt in job.events if any(
+        e["kind"] == "forward" and e["grad"] and not e["training"] for e in job.of(rank, attempt))), None)
+
+
+START_MISTAKES = (
+    Mistake("ranks start apart", lambda job, runs: _started_apart(job) is not None,
+            lambda job, runs: f"rank {_started_apart(job)} started from other initial weights than rank 0: the ranks "
+                              "train different models (hint 2)."),
+    Mistake("train mode dropped", lambda job, runs: _trained_in_eval_mode(job) is not None,
+            lambda job, runs: f"rank {_trained_in_eval_mode(job)} ran training forwards in eval mode: after the first "
+                              "evaluation the model was never put back in train mode (dropout and normalisation layers "
+                              "behave differently in eval mode)."),
+)
+
+
+def _same_start_and_train_mode(job, runs):
+    _judge_table(START_MISTAKES, job, runs)
+
+
+def _syncs(runs) -> list[int]:
+    """The all-reduces per optimizer step, as many kinds as the steps had."""
+    return sorted({s["syncs"] for r in range(WORLD) for s in runs[r].steps})
+
+
+SYNC_MISTAKES = (
+    Mistake("the plain model trained", lambda job, runs: _syncs(runs) == [0],
+            "no gradient was all-reduced: each rank stepped with its own gradients, so the models drift apart. "
+            "Train through the model wrapped for data parallelism, not the plain one (hint 2)."),
+    Mistake("no no_sync", lambda job, runs: _syncs(runs) != [1],
+            lambda job, runs: f"DDP all-reduced the gradients {max(_syncs(runs))} times per optimizer step, once per "
+                              f"micro-batch ({len(runs[0].steps[0]['micro'])} per rank): on a DGX node that is "
+                              f"{len(runs[0].steps[0]['micro'])}x the traffic for the same result. All-reduce once, on "
+                              "the last micro-batch of each step (hint 2)."),
+)
 
 
 def _one_allreduce_per_step(job, runs):
-    syncs = sorted({s["syncs"] for r in range(WORLD) for s in runs[r].steps})
-    if syncs == [0]:
-        _fail(job, "no gradient was all-reduced: each rank stepped with its own gradients, so the "
-                   "models drift apart. Train through the model wrapped for data parallelism, not the "
-                   "plain one (hint 2).")
-    if syncs != [1]:
-        accumulated = len(runs[0].steps[0]["micro"])
-        _fail(job, f"DDP all-reduced the gradients {max(syncs)} times per optimizer step, once per micro-"
-                   f"batch ({accumulated} per rank): on a DGX node that is {accumulated}x the traffic for "
-                   "the same result. All-reduce once, on the last micro-batch of each step (hint 2).")
+    _judge_table(SYNC_MISTAKES, job, runs)
+
+
+def _horizons(runs) -> list[int]:
+    """The numbers of steps a cosine schedule that gives rank 0's learning rates decays over."""
+    return [t for t in range(1, 20 * STEPS_PER_EPOCH)
+            if all(math.isclose(e["lr"], _learning_rate(s, t), rel_tol=1e-12) for s, e in enumerate(runs[0].steps))]
+
+
+SCHEDULE_HORIZON = Mistake(
+    "schedule's horizon", lambda job, runs: bool(_horizons(runs)),
+    lambda job, runs: f"the cosine decays over {_horizons(runs)[0]} optimizer steps, but the job makes "
+                      f"{EPOCHS * STEPS_PER_EPOCH} ({STEPS_PER_EPOCH} per epoch): count the steps of an epoch as a "
+                      "rank makes them now (hint 2).")
 
 
 def _schedule(job, runs):
     for step, event in enumerate(runs[0].steps):
         if not math.isclose(event["lr"], _learning_rate(step), rel_tol=1e-12):
-            horizons = [t for t in range(1, 20 * STEPS_PER_EPOCH)
-                        if all(math.isclose(e["lr"], _learning_rate(s, t), rel_tol=1e-12)
-                               for s, e in enumerate(runs[0].steps))]
-            if horizons:
-                _fail(job, f"the cosine decays over {horizons[0]} optimizer steps, but the job makes "
-                           f"{EPOCHS * STEPS_PER_EPOCH} ({STEPS_PER_EPOCH} per epoch): count the steps of an "
-                           "epoch as a rank makes them now (hint 2).")
+            _judge_table((SCHEDULE_HORIZON,), job, runs)
             _fail(job, f"the learning rate of optimizer step {step} is {event['lr']:.6g}; the one-GPU script "
                        f"uses {_learning_rate(step):.6g} there (its warm-up and cosine over "
                        f"{EPOCHS * STEPS_PER_EPOCH} steps).")
@@ -353,14 +447,20 @@ def _checkpoint_written(job, checkpoint):
     return state
 
 
+# The checkpoint written beside its path and renamed into place (readings: the job, its path).
+ATOMIC_MISTAKES = (
+    Mistake("written in place", lambda job, checkpoint: any(e["path"] == str(checkpoint) for e in job.every("save")),
+            "torch.save wrote straight to the checkpoint's path: a crash or a preemption in the middle leaves half "
+            "a file and loses the previous checkpoint too (hint 3)."),
+    Mistake("copied, not renamed",
+            lambda job, checkpoint: not any(e["dst"] == str(checkpoint) for e in job.every("rename")),
+            "the checkpoint was put in place without a rename (a copy, or a write to its path): only a rename on "
+            "the same file system is atomic, so a crash can leave half a checkpoint (hint 3)."),
+)
+
+
 def _checkpoint_atomic(job, checkpoint):
-    if any(e["path"] == str(checkpoint) for e in job.every("save")):
-        _fail(job, "torch.save wrote straight to the checkpoint's path: a crash or a preemption in the "
-                   "middle leaves half a file and loses the previous checkpoint too (hint 3).")
-    if not any(e["dst"] == str(checkpoint) for e in job.every("rename")):
-        _fail(job, "the checkpoint was put in place without a rename (a copy, or a write to its path): "
-                   "only a rename on the same file system is atomic, so a crash can leave half a "
-                   "checkpoint (hint 3).")
+    _judge_table(ATOMIC_MISTAKES, job, checkpoint)
 
 
 def _plain_keys(job, checkpoint):
@@ -368,14 +468,18 @@ def _plain_keys(job, checkpoint):
     import torch
 
     state = torch.load(checkpoint) if checkpoint.exists() else None
-    model = state.get("model", {}) if isinstance(state, dict) else {}
-    if any(k.startswith("module.") for k in model):
-        _fail(job, f"the checkpoint's model keys start with 'module.' ({next(iter(model))!r}): that is the "
-                   "DDP wrapper's state_dict, which a plain model cannot load (hint 3).")
+    _judge_table((MODULE_KEYS,), job, state.get("model", {}) if isinstance(state, dict) else {})
     return state
 
 
-def _others_waited(job):
+MODULE_KEYS = Mistake(
+    "module. keys", lambda job, model: any(k.startswith("module.") for k in model),
+    lambda job, model: f"the checkpoint's model keys start with 'module.' ({next(iter(model))!r}): that is the DDP "
+                       "wrapper's state_dict, which a plain model cannot load (hint 3).")
+
+
+def _went_on(job) -> dict | None:
+    """The first event of another rank while rank 0 was writing a checkpoint, or None."""
     for save in (e for e in job.every("save") if e["rank"] == 0):
         # Training forwards only: a rank may still be evaluating its part when rank 0 saves, but
         # the next training step is past the point where it should have waited.
@@ -387,12 +491,42 @@ def _others_waited(job):
         early = [e for e in others if save["start"] < e["time"] < save["time"]
                  or e["kind"] == "exit" and e["time"] < save["time"]]
         if early:
-            _fail(job, f"rank {early[0]['rank']} went on ({early[0]['kind']}) while rank 0 was still writing "
-                       "the checkpoint: no rank waited for it. A rank that exits, crashes or reads the "
-                       "checkpoint meanwhile finds half of it, or none (hint 3).")
+            return early[0]
+    return None
+
+
+NO_BARRIER = Mistake(
+    "no barrier", lambda job: _went_on(job) is not None,
+    lambda job: f"rank {_went_on(job)['rank']} went on ({_went_on(job)['kind']}) while rank 0 was still writing the "
+                "checkpoint: no rank waited for it. A rank that exits, crashes or reads the checkpoint meanwhile finds "
+                "half of it, or none (hint 3).")
+
+
+def _others_waited(job):
+    _judge_table((NO_BARRIER,), job)
 
 
 # --- 4. the evaluation ------------------------------------------------------------------------
+
+
+def _twice(counts) -> list[int]:
+    return sorted(i for i, n in counts.items() if n > 1)
+
+
+# Each test sample evaluated once over the ranks (readings: the job, the test samples each rank
+# evaluated, and how often each was).
+EVALUATION_MISTAKES = (
+    Mistake("whole test set everywhere",
+            lambda job, seen, counts: all(sorted(ids) == list(range(TEST_SAMPLES)) for ids in seen.values()),
+            f"every rank evaluated the whole test set ({TEST_SAMPLES} samples each): the result is right, but the "
+            "evaluation takes as long on 16 GPUs as on one. Give each rank its own part, and add the counts up over "
+            "the ranks (hint 4)."),
+    Mistake("padded test shards", lambda job, seen, counts: bool(_twice(counts)),
+            lambda job, seen, counts: f"test samples {_twice(counts)[:5]} were evaluated on more than one rank "
+                                      f"({sum(counts.values())} evaluations of {TEST_SAMPLES} samples): a "
+                                      "DistributedSampler pads the last part with repeats, so they count twice "
+                                      "(hint 4)."),
+)
 
 
 def _each_test_sample_once(job, runs):
@@ -400,16 +534,8 @@ def _each_test_sample_once(job, runs):
             if runs[r].evaluations}
     if len(seen) < WORLD:
         _fail(job, "a rank never evaluated: every rank must take part in the evaluation.")
-    if all(sorted(ids) == list(range(TEST_SAMPLES)) for ids in seen.values()):
-        _fail(job, f"every rank evaluated the whole test set ({TEST_SAMPLES} samples each): the result is "
-                   "right, but the evaluation takes as long on 16 GPUs as on one. Give each rank its own "
-                   "part, and add the counts up over the ranks (hint 4).")
     counts = Counter(i for ids in seen.values() for i in ids)
-    twice = sorted(i for i, n in counts.items() if n > 1)
-    if twice:
-        _fail(job, f"test samples {twice[:5]} were evaluated on more than one rank ({sum(counts.values())} "
-                   f"evaluations of {TEST_SAMPLES} samples): a DistributedSampler pads the last part with "
-                   "repeats, so they count twice (hint 4).")
+    _judge_table(EVALUATION_MISTAKES, job, seen, counts)
     if len(counts) != TEST_SAMPLES:
         _fail(job, f"only {len(counts)} of the {TEST_SAMPLES} test samples were evaluated (hint 4).")
 
@@ -430,6 +556,15 @@ def _accuracy(weights, data_path):
     return int(hit.sum()), int((top2[:, 0] - top2[:, 1] < 1e-4).sum()), hit
 
 
+NOT_ALL_REDUCED = Mistake(
+    "metric not all-reduced",
+    lambda job, reported, correct, hit: any(abs(reported - hit[r::WORLD].float().mean().item()) < 1e-6
+                                            for r in range(WORLD)),
+    lambda job, reported, correct, hit: f"the test accuracy {reported:.4f} is rank 0's own part only (the whole test "
+                                        f"set gives {correct / TEST_SAMPLES:.4f}): the ranks' counts were never added "
+                                        "up (hint 4).")
+
+
 def _reported_accuracy(job, entry, weights, data_path):
     correct, ambiguous, hit = _accuracy(weights, data_path)
     reported = entry.get("test_accuracy")
@@ -439,10 +574,7 @@ def _reported_accuracy(job, entry, weights, data_path):
     # division errs by about 1e-16. `ambiguous` samples may legitimately flip.
     if any(abs(reported - (correct + d) / TEST_SAMPLES) < 1e-9 for d in range(-ambiguous, ambiguous + 1)):
         return
-    own = [hit[r::WORLD].float().mean().item() for r in range(WORLD)]
-    if any(abs(reported - a) < 1e-6 for a in own):
-        _fail(job, f"the test accuracy {reported:.4f} is rank 0's own part only (the whole test set gives "
-                   f"{correct / TEST_SAMPLES:.4f}): the ranks' counts were never added up (hint 4).")
+    _judge_table((NOT_ALL_REDUCED,), job, reported, correct, hit)
     _fail(job, f"the test accuracy {reported:.6f} is not the accuracy of the trained weights over the whole "
                f"test set ({correct / TEST_SAMPLES:.6f}) (hint 4).")
 
@@ -450,12 +582,20 @@ def _reported_accuracy(job, entry, weights, data_path):
 # --- 5. the restart ---------------------------------------------------------------------------
 
 
+def _same_order_every_epoch(runs) -> int | None:
+    """The first rank that saw epoch 1 in epoch 0's order, or None."""
+    return next((rank for rank in range(WORLD) if runs[rank].epoch(1) and [s["micro"] for s in runs[rank].epoch(1)]
+                 == [s["micro"] for s in runs[rank].epoch(0)[:len(runs[rank].epoch(1))]]), None)
+
+
+SET_EPOCH_FORGOTTEN = Mistake(
+    "set_epoch forgotten", lambda job, runs: _same_order_every_epoch(runs) is not None,
+    lambda job, runs: f"rank {_same_order_every_epoch(runs)} saw epoch 1 in the same order as epoch 0: the sampler "
+                      "shuffles the same way every epoch unless it is told which epoch it is (hint 1).")
+
+
 def _new_shuffle_every_epoch(job, runs):
-    for rank in range(WORLD):
-        epoch0, epoch1 = runs[rank].epoch(0), runs[rank].epoch(1)
-        if epoch1 and [s["micro"] for s in epoch1] == [s["micro"] for s in epoch0[:len(epoch1)]]:
-            _fail(job, f"rank {rank} saw epoch 1 in the same order as epoch 0: the sampler shuffles the "
-                       "same way every epoch unless it is told which epoch it is (hint 1).")
+    _judge_table((SET_EPOCH_FORGOTTEN,), job, runs)
 
 
 def _restarted(job):
@@ -464,42 +604,79 @@ def _restarted(job):
                    "optimizer steps, and torchrun restarts it. Did the job make that many steps?")
 
 
+def _loads(job, rank, checkpoint) -> list[dict]:
+    return [e for e in job.of(rank, 1, "load") if e["path"] == str(checkpoint)]
+
+
+# The restart read the checkpoint, onto the rank's own device (readings: the job, the checkpoint, a rank).
+LOAD_MISTAKES = (
+    Mistake("no resume", lambda job, checkpoint, rank: not _loads(job, rank, checkpoint),
+            lambda job, checkpoint, rank: f"after the restart, rank {rank} did not load {checkpoint.name}: the job "
+                                          "started over from scratch and lost its work (hint 3)."),
+    Mistake("no map_location", lambda job, checkpoint, rank: _loads(job, rank, checkpoint)[0]["map_location"] is None,
+            "the checkpoint is loaded without map_location: on GPUs torch.load puts every tensor back on the GPU that "
+            "saved it, so all 8 ranks of a node load onto GPU 0 (and run out of memory there). Load onto the rank's "
+            "own device (hint 3)."),
+)
+
+
 def _loaded(job, checkpoint, before, after):
     for rank in range(WORLD):
-        loads = [e for e in job.of(rank, 1, "load") if e["path"] == str(checkpoint)]
-        if not loads:
-            _fail(job, f"after the restart, rank {rank} did not load {checkpoint.name}: the job started over "
-                       "from scratch and lost its work (hint 3).")
-        if loads[0]["map_location"] is None:
-            _fail(job, "the checkpoint is loaded without map_location: on GPUs torch.load puts every "
-                       "tensor back on the GPU that saved it, so all 8 ranks of a node load onto GPU 0 "
-                       "(and run out of memory there). Load onto the rank's own device (hint 3).")
+        _judge_table(LOAD_MISTAKES, job, checkpoint, rank)
+
+
+OPTIMIZER_NOT_RESTORED = Mistake(
+    "optimizer not restored", lambda job, after: bool(after[0].steps) and not after[0].steps[0]["had_state"],
+    "after the restart the optimizer started without its state (AdamW's moments): it was not restored from the "
+    "checkpoint, so the resumed run takes other steps.")
 
 
 def _optimizer_restored(job, checkpoint, before, after):
-    first = after[0].steps[0] if after[0].steps else None
-    if first is not None and not first["had_state"]:
-        _fail(job, "after the restart the optimizer started without its state (AdamW's moments): it "
-                   "was not restored from the checkpoint, so the resumed run takes other steps.")
+    _judge_table((OPTIMIZER_NOT_RESTORED,), job, after)
+
+
+def _off_schedule(before, after) -> tuple | None:
+    """(i, its learning rate, the schedule's step number) of the first step after the restart
+    whose learning rate is not the schedule's, or None."""
+    done = len(before[0].epoch(0))
+    return next(((i, step["lr"], done + i) for i, step in enumerate(after[0].steps)
+                 if not math.isclose(step["lr"], _learning_rate(done + i), rel_tol=1e-12)), None)
+
+
+def _scheduler_message(job, before, after) -> str:
+    i, lr, at = _off_schedule(before, after)
+    over = " — the schedule started over" if math.isclose(lr, _learning_rate(i)) else ""
+    return (f"step {i} after the restart used the learning rate {lr:.6g}, but step {at} of the schedule is "
+            f"{_learning_rate(at):.6g}{over}: the scheduler was not restored from the checkpoint (the optimizer's "
+            "saved learning rate only covers the first step).")
+
+
+SCHEDULER_NOT_RESTORED = Mistake(
+    "scheduler not restored", lambda job, before, after: _off_schedule(before, after) is not None, _scheduler_message)
 
 
 def _scheduler_restored(job, checkpoint, before, after):
-    done = len(before[0].epoch(0))
-    for i, step in enumerate(after[0].steps):
-        if not math.isclose(step["lr"], _learning_rate(done + i), rel_tol=1e-12):
-            over = " — the schedule started over" if math.isclose(step["lr"], _learning_rate(i)) else ""
-            _fail(job, f"step {i} after the restart used the learning rate {step['lr']:.6g}, but step "
-                       f"{done + i} of the schedule is {_learning_rate(done + i):.6g}{over}: the scheduler "
-                       "was not restored from the checkpoint (the optimizer's saved learning rate only "
-                       "covers the first step).")
+    _judge_table((SCHEDULER_NOT_RESTORED,), job, before, after)
+
+
+def _reordered(before, after) -> int | None:
+    """The first rank that saw epoch 1 in another order after the restart than before the crash."""
+    def order(steps):
+        return [s["micro"] for s in steps]
+
+    return next((rank for rank in range(WORLD)
+                 if order(after[rank].epoch(0)[:len(before[rank].epoch(1))]) != order(before[rank].epoch(1))), None)
+
+
+ANOTHER_ORDER = Mistake(
+    "another order after the restart", lambda job, before, after: _reordered(before, after) is not None,
+    lambda job, before, after: f"after the restart rank {_reordered(before, after)} saw epoch 1 in another order than "
+                               "before the crash: a resumed run must replay the same data (the sampler's seed and "
+                               "epoch decide it).")
 
 
 def _same_order_after_restart(job, checkpoint, before, after):
-    for rank in range(WORLD):
-        again, crashed = after[rank].epoch(0), before[rank].epoch(1)
-        if [s["micro"] for s in again[:len(crashed)]] != [s["micro"] for s in crashed]:
-            _fail(job, f"after the restart rank {rank} saw epoch 1 in another order than before the crash: a "
-                       "resumed run must replay the same data (the sampler's seed and epoch decide it).")
+    _judge_table((ANOTHER_ORDER,), job, before, after)
 
 
 RESUMED = (_loaded, _optimizer_restored, _scheduler_restored, _same_order_after_restart)
@@ -582,12 +759,18 @@ def _metrics_logged(job, folder, weights, data):
     _reported_accuracy(job, entries[1], final, data)
 
 
+def _undestroyed(job) -> list[int]:
+    return [r for r in range(WORLD) if not job.of(r, max(job.attempts), "destroy")]
+
+
+NO_DESTROY = Mistake(
+    "no destroy_process_group", lambda job: bool(_undestroyed(job)),
+    lambda job: f"ranks {_undestroyed(job)} never called destroy_process_group: a rank that leaves without it can "
+                "hang or abort its exit, and its neighbours see a crash.")
+
+
 def _closed(job):
-    last = max(job.attempts)
-    missing = [r for r in range(WORLD) if not job.of(r, last, "destroy")]
-    if missing:
-        _fail(job, f"ranks {missing} never called destroy_process_group: a rank that leaves without it "
-                   "can hang or abort its exit, and its neighbours see a crash.")
+    _judge_table((NO_DESTROY,), job)
 
 
 # --- 7. on nodes with GPUs ----------------------------------------------------------------------
@@ -619,12 +802,35 @@ def _local_ranks(job) -> dict[int, int]:
     return {r: job.of(r, 0)[0]["local_rank"] if job.of(r, 0) else r % job.per_node for r in ranks}
 
 
+def _backend(job, rank):
+    init = job.of(rank, 0, "init")
+    return init[0]["backend"] if init else None
+
+
+GLOO_ON_GPUS = Mistake(
+    "gloo on GPUs", lambda job, rank: _backend(job, rank) is not None and "nccl" not in _backend(job, rank),
+    lambda job, rank: f"on a node with GPUs rank {rank} still starts the {_backend(job, rank)} backend: gloo moves "
+                      "every gradient through the CPU; NCCL uses NVLink (hint 1).")
+
+
 def _gpu_backend(job):
     for rank in _local_ranks(job):
-        init = job.of(rank, 0, "init")
-        if init and init[0]["backend"] not in (None, "nccl") and "nccl" not in (init[0]["backend"] or ""):
-            _fail(job, f"on a node with GPUs rank {rank} still starts the {init[0]['backend']} backend: "
-                       "gloo moves every gradient through the CPU; NCCL uses NVLink (hint 1).")
+        _judge_table((GLOO_ON_GPUS,), job, rank)
+
+
+# A GPU a rank chose (readings: the job, the rank, its LOCAL_RANK, how it chose, which GPU).
+GPU_FROM_RANK = Mistake(
+    "a GPU from RANK", lambda job, rank, local, kind, index: index == str(rank) != str(local),
+    lambda job, rank, local, kind, index: f"rank {rank} is LOCAL_RANK {local} on its node, but {PICKED_BY[kind]} got "
+                                          f"GPU {index}: RANK counts over all nodes (8-15 on the second DGX node), a "
+                                          "node's GPUs are numbered by LOCAL_RANK (hint 1).")
+A_GPU_THE_NODE_DOES_NOT_HAVE = Mistake(
+    "a GPU the node does not have",
+    lambda job, rank, local, kind, index: index.isdigit() and int(index) >= PRETEND_GPUS,
+    lambda job, rank, local, kind, index: f"rank {rank} (LOCAL_RANK {local}) runs on a node with {PRETEND_GPUS} GPU "
+                                          f"for {job.per_node} processes, as under a Run:ai GPU fraction, and "
+                                          f"{PICKED_BY[kind]} asked for GPU {index}, which that node does not have: "
+                                          "with fewer GPUs than processes, the processes share them (hint 1).")
 
 
 def _gpu_picked(job):
@@ -632,35 +838,41 @@ def _gpu_picked(job):
     local = _local_ranks(job)
     for rank in local:  # RANK first: it is the likelier cause of a GPU that is not there
         for kind, index in _picks(job.of(rank, 0)):
-            if index == str(rank) != str(local[rank]):
-                _fail(job, f"rank {rank} is LOCAL_RANK {local[rank]} on its node, but {PICKED_BY[kind]} got GPU "
-                           f"{index}: RANK counts over all nodes (8-15 on the second DGX node), a node's GPUs are "
-                           "numbered by LOCAL_RANK (hint 1).")
+            _judge_table((GPU_FROM_RANK,), job, rank, local[rank], kind, index)
     for rank in local:
         for kind, index in _picks(job.of(rank, 0)):
-            if index.isdigit() and int(index) >= PRETEND_GPUS:
-                _fail(job, f"rank {rank} (LOCAL_RANK {local[rank]}) runs on a node with {PRETEND_GPUS} GPU for "
-                           f"{job.per_node} processes, as under a Run:ai GPU fraction, and {PICKED_BY[kind]} asked "
-                           f"for GPU {index}, which that node does not have: with fewer GPUs than processes, the "
-                           "processes share them (hint 1).")
+            _judge_table((A_GPU_THE_NODE_DOES_NOT_HAVE,), job, rank, local[rank], kind, index)
             if index != str(local[rank] % PRETEND_GPUS):
                 _fail(job, f"rank {rank} is LOCAL_RANK {local[rank]} on a node of {PRETEND_GPUS} GPU, but "
                            f"{PICKED_BY[kind]} got GPU {index}: a node's GPUs are numbered by LOCAL_RANK (hint 1).")
 
 
+NO_SET_DEVICE = Mistake(
+    "no set_device", lambda job, rank: not job.of(rank, 0, "set_device"),
+    lambda job, rank: f"rank {rank} never called torch.cuda.set_device: whatever is made on 'cuda' without an index "
+                      "(NCCL's own buffers too) lands on GPU 0, so 8 ranks share it (hint 1).")
+
+
+def _device_ids(job, rank):
+    ddp = job.of(rank, 0, "ddp")
+    return ddp[0]["device_ids"] if ddp else None
+
+
+DEVICE_IDS_NOT_A_LIST = Mistake(
+    "device_ids not a list",
+    lambda job, rank: _device_ids(job, rank) is not None and not isinstance(_device_ids(job, rank), list),
+    lambda job, rank: f"device_ids={_device_ids(job, rank)} is not a list: DDP wants the list of the one GPU this "
+                      "process uses (hint 1).")
+
+
 def _gpu_set_device(job):
     for rank in _local_ranks(job):
-        if not job.of(rank, 0, "set_device"):
-            _fail(job, f"rank {rank} never called torch.cuda.set_device: whatever is made on 'cuda' without "
-                       "an index (NCCL's own buffers too) lands on GPU 0, so 8 ranks share it (hint 1).")
+        _judge_table((NO_SET_DEVICE,), job, rank)
 
 
 def _gpu_device_ids(job):
     for rank in _local_ranks(job):
-        ddp = job.of(rank, 0, "ddp")
-        if ddp and ddp[0]["device_ids"] is not None and not isinstance(ddp[0]["device_ids"], list):
-            _fail(job, f"device_ids={ddp[0]['device_ids']} is not a list: DDP wants the list of the one GPU "
-                       "this process uses (hint 1).")
+        _judge_table((DEVICE_IDS_NOT_A_LIST,), job, rank)
 
 
 def _gpu_job_wrapped(job):
@@ -692,8 +904,8 @@ class _Judge:
         except Exception as failure:  # collecting, a step an earlier mistake left blind says so
             if not self.collect:
                 raise
-            self.failures.append(str(failure) if isinstance(failure, CheckFailed) else
-                                 f"{step.__name__} could not judge: {failure!r}")
+            self.failures.append(failure if isinstance(failure, CheckFailed) else
+                                 CheckFailed(f"{step.__name__} could not judge: {failure!r}"))
             return _FAILED
 
 
@@ -810,9 +1022,10 @@ def check_capstone_job(script, folder) -> None:
            "shared where a node has fewer GPUs than processes")
 
 
-def capstone_job_mistakes(script, folder, first_attempt_only=False) -> list[str]:
+def capstone_job_mistakes(script, folder, first_attempt_only=False) -> list[CheckFailed]:
     """What the check says of every step that fails for ``script``, not only the first (in the
-    check's order): the tests plant several mistakes in one script and launch it once. With
+    check's order), each failure naming its mistake: the tests plant several mistakes in one
+    script and launch it once. With
     ``first_attempt_only`` the job stops once its first attempt is judged, as it does for a
     learner whose first attempt shows a mistake."""
     judge = _Judge(collect=True)
