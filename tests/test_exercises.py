@@ -295,14 +295,13 @@ def test_a_launch_of_the_learners_code_reaches_the_check(name):
 def test_a_crash_in_the_learners_code_is_named_by_the_check():
     """What a launch with check=False hands the check when rank 1 crashed in the learner's code
     (rank 0 only echoes it): the check names rank 1 and its error, not a KeyError of its own."""
-    from types import SimpleNamespace
-
     from spike_course import checks
+    from spike_course.launcher import LaunchResult
 
-    job = SimpleNamespace(reports={0: {}}, nproc=2, timed_out=False, seconds=3.0, returncodes={0: 1, 1: 1},
-                          output={0: ["RuntimeError: Connection closed by peer [127.0.0.1]:4242"],
-                                  1: ["Traceback (most recent call last):", "  File \"x.py\", line 3",
-                                      "ZeroDivisionError: division by zero"]})
+    job = LaunchResult(reports={0: {}}, nproc=2, seconds=3.0, returncodes={0: 1, 1: 1}, exit_order=[0, 1],
+                       output={0: ["RuntimeError: Connection closed by peer [127.0.0.1]:4242"],
+                               1: ["Traceback (most recent call last):", "  File \"x.py\", line 3",
+                                   "ZeroDivisionError: division by zero"]})
     for check in (lambda: checks.check_zero1(job), lambda: checks.check_fits_budget(job, 1e6),
                   lambda: checks.check_tp_plan(job), lambda: checks.check_pipeline_training(job, "digits.pt")):
         with pytest.raises(checks.CheckFailed, match=r"rank 1 failed \(exit code 1\).*ZeroDivisionError"):

@@ -21,7 +21,7 @@ import math
 import sys
 import types
 
-from ._common import CheckFailed
+from ..mistakes import CheckFailed
 
 _BUILTINS = ("abs", "all", "any", "float", "int", "isinstance", "len", "max", "min", "print", "range",
              "repr", "round", "sorted", "str", "sum", "zip")

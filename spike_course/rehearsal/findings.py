@@ -7,7 +7,7 @@ reports every mistake it sees, not only the first: a job line can hold several.
 
 from __future__ import annotations
 
-from ..checks._common import Mistake
+from ..mistakes import Mistake
 
 FIX_MASTER = '--master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT"'
 
