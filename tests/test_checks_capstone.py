@@ -203,9 +203,7 @@ def test_every_mistake_is_planted_once():
     assert all(name in FIRST_ATTEMPT_MISTAKES for group in FIRST_ATTEMPT_GROUPS for name in group)
 
 
-CHECK_MODULE = capstone  # tests/named.py: the check's tables, each mistake planted here
-PLANTS = {**ALL_MISTAKES, "never joined a process group": "test_the_unconverted_script_is_named",
-          "a rank waits for ever": "test_a_hanging_rank_is_stopped_with_a_clear_message"}
+CHECK_MODULE = capstone  # tests/named.py: the check's tables, each mistake planted here (PLANTS, at the end)
 
 
 def planted_alone_is_named(tmp_path, name):
@@ -270,31 +268,46 @@ def test_the_right_runai_line_passes(capsys, pods):
     assert "check passed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(workers=None), "not a distributed PyTorch workload"),
-    (dict(workers=2), "asks for 3 pods (2 workers and the master pod Run:ai adds)"),
-    (dict(workers=16), "asks for 17 pods"),
-    (dict(workers=1, master=False), "asks for 1 pods (1 workers, no master)"),
-    (dict(gpus=1), "--gpu-devices-request is 1"),
-    (dict(command="cd /data/course; python3 train.py"), "does not start torchrun"),
-    (dict(command="cd /data/course; torchrun --standalone --nproc-per-node=8 train.py"), "--standalone"),
-    # what only the rehearsal sees: a plain torchrun meets on its own 127.0.0.1 (older operator),
-    # a shell keeps the SIGTERM, a job without a master pod that is not elastic cannot meet
-    (dict(command="cd /data/course; torchrun --nproc-per-node=8 train.py"), "own-loopback"),
-    (dict(command="cd /data/course; " + torchrun_command("train.py", nproc_per_node=8, master=True)
-          .removeprefix("exec ") + " && echo done"), "torchrun-not-exec"),
-    (dict(workers=2, master=False), "no-master-address"),
-    (dict(workers=2, master=False, command="cd /data/course; torchrun --nproc-per-node=8 train.py"),
-     "without a master pod"),
-    (dict(command="cd /data/course; torchrun --nproc-per-node=1 train.py"), "one process per GPU"),
-    (dict(command="cd /data/course; torchrun --nproc-per-node=8 other.py"), "does not run train.py"),
-    (dict(image="pretrainingcontainer:latest"), "names no registry"),
-    (dict(image="aiteam/pretrainingcontainer:latest"), "names no registry"),
-    (dict(memory="64"), "without a unit counts bytes"),
-    (dict(env=None), "its own rendezvous store"),
-    (dict(pvc=None), "mount the team's volume"),
-])
+SUBMIT_PLANTS = {  # a mistake the line check names -> the change to the right line, what it says
+    "not a distributed workload": (dict(workers=None), "not a distributed PyTorch workload"),
+    "pods not the nodes (a master pod too many)": (dict(workers=2),
+                                                  "asks for 3 pods (2 workers and the master pod Run:ai adds)"),
+    "pods not the nodes (a worker per GPU)": (dict(workers=16), "asks for 17 pods"),
+    "pods not the nodes (no master, too few workers)": (dict(workers=1, master=False),
+                                                        "asks for 1 pods (1 workers, no master)"),
+    "not all the node's GPUs": (dict(gpus=1), "--gpu-devices-request is 1"),
+    "no torchrun": (dict(command="cd /data/course; python3 train.py"), "does not start torchrun"),
+    "standalone": (dict(command="cd /data/course; torchrun --standalone --nproc-per-node=8 train.py"), "--standalone"),
+    "not one process per GPU": (dict(command="cd /data/course; torchrun --nproc-per-node=1 train.py"),
+                                "one process per GPU"),
+    "another script": (dict(command="cd /data/course; torchrun --nproc-per-node=8 other.py"), "does not run train.py"),
+    "no registry": (dict(image="pretrainingcontainer:latest"), "names no registry"),
+    "no registry (a project, no host)": (dict(image="aiteam/pretrainingcontainer:latest"), "names no registry"),
+    "memory without a unit": (dict(memory="64"), "without a unit counts bytes"),
+    "a shared rendezvous store": (dict(env=None), "its own rendezvous store"),
+    "no team volume": (dict(pvc=None), "mount the team's volume"),
+}
+# What only the rehearsal sees, named by the rehearsal's own table: a plain torchrun meets on its
+# own 127.0.0.1 (older operator), a shell keeps the SIGTERM, a job without a master pod that is
+# not elastic cannot meet.
+REHEARSED = {
+    "own-loopback": (dict(command="cd /data/course; torchrun --nproc-per-node=8 train.py"), "own-loopback"),
+    "torchrun-not-exec": (dict(command="cd /data/course; " + torchrun_command(
+        "train.py", nproc_per_node=8, master=True).removeprefix("exec ") + " && echo done"), "torchrun-not-exec"),
+    "no-master-address": (dict(workers=2, master=False), "no-master-address"),
+    "own-loopback (no master pod, a plain torchrun)": (
+        dict(workers=2, master=False, command="cd /data/course; torchrun --nproc-per-node=8 train.py"),
+        "without a master pod"),
+}
+
+
+@pytest.mark.parametrize("name", [*SUBMIT_PLANTS, *REHEARSED])
 @pytest.mark.processes   # the line is rehearsed: its pods' shells run
-def test_runai_mistakes_are_named(changes, message):
-    with pytest.raises(CheckFailed, match=message.replace("(", r"\(").replace(")", r"\)")):
+def test_runai_mistakes_are_named(name):
+    changes, message = {**SUBMIT_PLANTS, **REHEARSED}[name]
+    with names(mistake_of(name), says=re.escape(message)):
         check_capstone_submit(line(**changes))
+
+
+PLANTS = {**ALL_MISTAKES, **SUBMIT_PLANTS, "never joined a process group": "test_the_unconverted_script_is_named",
+          "a rank waits for ever": "test_a_hanging_rank_is_stopped_with_a_clear_message"}

@@ -160,7 +160,7 @@ PLANTED_IN_TRAIN = {
         "the forward saw 4 sequences, the unconstrained run's 8"),
 }
 MISTAKES = {**PLANTED, **PLANTED_IN_TRAIN}
-CHECK_MODULE, PLANTS = memory, MISTAKES  # each key a mistake's name, or a name and (how), planted: tests/named.py
+CHECK_MODULE = memory  # PLANTS below: each key a mistake's name, or a name and (how), planted (tests/named.py)
 HEAD, _, REST = FIT.partition("\ndef build(")
 TRAIN = "def train(" + HEAD.partition("\ndef train(")[2]
 BUILD, _, MAIN = ("def build(" + REST).partition("\nunconstrained = ")
@@ -248,18 +248,27 @@ def test_peak_solution_passes(capsys):
     assert "check passed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("old, new, message", [
-    ("global_batch // (gpus * accumulation)", "global_batch // gpus", "AND by the accumulation"),
-    ("global_batch // (gpus * accumulation)", "global_batch", "not the whole global batch"),
-    ("zero_memory_breakdown(psi, shard, 3", "zero_memory_breakdown(psi, 1, 3", "each GPU holds 1/F"),
-    ("zero_memory_breakdown(psi, shard, 3", "zero_memory_breakdown(psi, gpus, 3", "not over all of them"),
-    ("k=8,", "k=0,", "Adam's two moments"),
-    ("checkpoint=checkpoint)", "checkpoint=False)", "ignore checkpointing"),
-    ("precision=precision,", "", "counted in fp32"),
-    ("param_bytes=4, grad_bytes=4", "param_bytes=2, grad_bytes=2", "fp32 master weights"),
-])
-def test_peak_mistakes_are_named(old, new, message):
-    with pytest.raises(CheckFailed, match=message):
+PEAK_MISTAKES = {  # a mistake of exercise 2's table -> (old, new) in the solution, what is said
+    "micro-batch not divided by the accumulation": ("global_batch // (gpus * accumulation)", "global_batch // gpus",
+                                                    "AND by the accumulation"),
+    "the whole global batch in one forward": ("global_batch // (gpus * accumulation)", "global_batch",
+                                              "not the whole global batch"),
+    "states not sharded": ("zero_memory_breakdown(psi, shard, 3", "zero_memory_breakdown(psi, 1, 3",
+                           "each GPU holds 1/F"),
+    "states sharded over every GPU": ("zero_memory_breakdown(psi, shard, 3", "zero_memory_breakdown(psi, gpus, 3",
+                                      "not over all of them"),
+    "no optimizer state": ("k=8,", "k=0,", "Adam's two moments"),
+    "checkpointing ignored": ("checkpoint=checkpoint)", "checkpoint=False)", "ignore checkpointing"),
+    "activations in fp32": ("precision=precision,", "", "counted in fp32"),
+    "no fp32 master weights": ("param_bytes=4, grad_bytes=4", "param_bytes=2, grad_bytes=2", "fp32 master weights"),
+}
+PLANTS = {**MISTAKES, **PEAK_MISTAKES}
+
+
+@pytest.mark.parametrize("name", PEAK_MISTAKES)
+def test_peak_mistakes_are_named(name):
+    old, new, message = PEAK_MISTAKES[name]
+    with names(name, says=message):
         check_peak_prediction(planted_peak(old, new))
 
 
@@ -289,7 +298,7 @@ def test_calling_the_whole_memory_plan_is_not_an_answer():
 def test_each_slip_of_exercise_2_is_told_apart_on_the_checks_jobs():
     """A slip is judged on the first job where it changes the total; there, no other slip may
     give the same total, or the check would name the wrong one."""
-    from spike_course.checks.memory import PEAK_JOBS, _peak_slips
+    from spike_course.checks.memory import PEAK_JOBS, PEAK_SLIP_CHANGES, _Peak
     from spike_course.costmodel import memory_plan
 
     def expected(job):
@@ -297,10 +306,13 @@ def test_each_slip_of_exercise_2_is_told_apart_on_the_checks_jobs():
         return memory_plan(model, seq, global_batch // (gpus * accumulation), dp=gpus, shard=shard,
                            precision=precision, checkpoint=checkpoint)["total"]
 
-    for slip in _peak_slips(PEAK_JOBS[0]):
-        job = next((j for j in PEAK_JOBS if _peak_slips(j)[slip] != expected(j)), None)
+    def total(job, slip):
+        return _Peak(job, 0, expected(job)).total(**PEAK_SLIP_CHANGES[slip][1])
+
+    for slip in PEAK_SLIP_CHANGES:
+        job = next((j for j in PEAK_JOBS if total(j, slip) != expected(j)), None)
         assert job is not None, f"no job of the check shows this slip: {slip}"
-        value = _peak_slips(job)[slip]
-        twins = [other for other, v in _peak_slips(job).items()
-                 if other != slip and abs(v - value) <= 1e-9 * value]
+        value = total(job, slip)
+        twins = [other for other in PEAK_SLIP_CHANGES
+                 if other != slip and abs(total(job, other) - value) <= 1e-9 * value]
         assert not twins, f"on {job} '{slip}' reads like {twins}"

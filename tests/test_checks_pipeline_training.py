@@ -11,7 +11,7 @@ import torch
 import spike_course
 from spike_course import workers
 from spike_course.checks import CheckFailed, check_pipeline_training, pipeline_training
-from named import names
+from named import mistake_of, names
 from spike_course.data import load_mnist
 
 import course_files
@@ -85,17 +85,24 @@ MISTAKES = {
 }
 
 
-# The plants of the mistakes in the check's tables (tests/named.py); the others it names inline.
-NAMED = {"stubs left": "stub_left", "step() under no_grad": "step_under_no_grad",
-         "first micro-batch only": "first_microbatch_loss", "unweighted mean": "unweighted_loss"}
-CHECK_MODULE, PLANTS = pipeline_training, NAMED
-MISTAKE_OF_PLANT = {plant: mistake for mistake, plant in NAMED.items()}
+# Each plant by the mistake of the check's tables it is named as (tests/named.py).
+MISTAKE_OF_PLANT = {"stub_left": "stubs left", "step_under_no_grad": "step() under no_grad",
+                    "first_microbatch_loss": "first micro-batch only", "unweighted_loss": "unweighted mean",
+                    "seed_per_rank": "the stages in different orders (a seed per rank)",
+                    "global_generator": "the stages in different orders (the global generator)",
+                    "distributed_sampler": "a DistributedSampler between the stages",
+                    "no_train_mode": "train mode not restored", "no_eval_mode": "dropout on in evaluation",
+                    "gradients_never_zeroed": "another training step",
+                    "last_batch_accuracy": "accuracy not over the whole test set",
+                    "nothing_returned": "nothing returned"}
+CHECK_MODULE = pipeline_training
+PLANTS = {mistake: plant for plant, mistake in MISTAKE_OF_PLANT.items()}
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("name", sorted(MISTAKES))
 def test_each_mistake_is_named(launched, data_file, name):
-    with names(MISTAKE_OF_PLANT.get(name), says=MISTAKES[name][1]):
+    with names(mistake_of(MISTAKE_OF_PLANT[name]), says=MISTAKES[name][1]):
         check_pipeline_training(launched, data_file, functions=name)
 
 

@@ -12,6 +12,7 @@ background save on a group without a CPU backend) is named from the probe's read
 saves: here from readings as a GPU node records them, and from a real drill where there is a GPU."""
 
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 import spike_course
 from spike_course import exercises, workers
 from spike_course.checks import CheckFailed, check_preemption_safe, preemption, preemption_probe
+from spike_course.launcher import LaunchResult
 from spike_course.checks._common import name_the_first
 from named import names
 from planting import planted, written_file
@@ -129,9 +131,9 @@ GPU_READINGS = {
 }
 
 
-# The table's mistakes, planted in the probe's readings (the drill's launches plant the others).
-CHECK_MODULE, PLANTS = preemption, {**GPU_READINGS, "periodic saves block the training": "a blocking save, then a "
-                                    "background one, before the signal"}  # tests/named.py
+# The save table's mistakes, planted in the probe's readings (the drill's launches and readings
+# made by hand plant the others: PLANTS, below).
+CHECK_MODULE = preemption  # tests/named.py
 
 
 @pytest.mark.parametrize("mistake", sorted(GPU_READINGS))
@@ -171,13 +173,71 @@ def test_the_probe_finds_a_generator_state_anywhere_in_the_saved_state():
     assert not preemption_probe._holds(state, torch.arange(1, 17, dtype=torch.uint8))  # another state
 
 
+# The mistakes each launched plant is named as; a tuple where the drill's random steps decide
+# which of two readings shows it first.
+NAMED_AS = {"blank": None, "no_handler": "no handler", "saving_inside_the_handler": "saving inside the handler",
+            "rank_0_alone_decides": "rank 0 alone decides", "each_rank_decides_alone": "each rank decides alone",
+            "rng_state_not_saved": "random state not saved",
+            "async_save_on_the_default_group": "async save on the default group",
+            "data_position_not_saved": "data position not saved",
+            "half_written_checkpoint_loaded": ("a half-written checkpoint loaded",
+                                               "a half-written checkpoint loaded, and failed"),
+            "async_future_never_awaited": ("a save never awaited, hung at exit",
+                                           "a save never awaited, aborted at exit", "the last save lost"),
+            "scheduler_not_restored": "learning rate not restored",
+            "optimizer_not_restored": ("learning rate not restored", "weights or momentum not restored")}
+
+
 @pytest.mark.processes
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_planted_mistake_is_named(mistake, worker, no_orphans, reference):
     change, message = MISTAKES[mistake]
     source = exercises.blank_source(SAFE) if change is None else planted(SAFE, change)
-    with pytest.raises(CheckFailed, match=re.compile(message, re.S)):
+    with names(NAMED_AS[mistake], says=re.compile(message, re.S)):
         drill(worker, source, reference)
+
+
+# --- the drill's readings, made by hand: each mistake of its tables, whatever the timing ---
+
+def _stopped(returncodes, reports, killed=False, last=None, ranks=(0, 1)):
+    job = LaunchResult(nproc=2, returncodes=returncodes, reports=reports, exit_order=sorted(returncodes))
+    return lambda: preemption._after_sigterm(job, last, killed, ranks, "first launch")
+
+
+def _report(step, stopped=int(signal.SIGTERM)):
+    return {"step": step, "stopped": stopped}
+
+
+STEPPED = {0: _report(5), 1: _report(5)}
+BY_HAND = {  # a mistake of the drill's tables -> the reading that shows it, what is said
+    "a save never awaited, hung at exit": (_stopped({0: -9, 1: -9}, STEPPED, killed=True, last={0: (1, 5), 1: (2, 5)}),
+                                           "hung at exit"),
+    "a save never awaited, aborted at exit": (_stopped({0: 0, 1: -6}, STEPPED), "aborted as it exited"),
+    "each rank decides alone": (_stopped({0: -9, 1: -9}, {}, killed=True, last={0: (1, 5), 1: (2, 6)}),
+                                "stopped at different steps"),
+    "the ranks stop apart": (_stopped({0: 0, 1: 0}, {0: _report(5), 1: _report(6)}),
+                             r"reported \(steps done, signal\) = \{0: \(5, 15\), 1: \(6, 15\)\}"),
+    "a half-written checkpoint loaded": (lambda: preemption._resumed(
+        LaunchResult(nproc=2, reports={0: {"start": int(preemption.PLANTED.split("_")[1])}}), 5, "second launch"),
+        "loaded step_999999"),
+    "the last save lost": (lambda: preemption._resumed(LaunchResult(nproc=2, reports={0: {"start": 3}}), 5,
+                                                       "second launch"), "the work of steps 4..5 was lost"),
+    "a half-written checkpoint loaded, and failed": (
+        lambda: name_the_first((preemption.HALF_WRITTEN_TRIED,), f"loading {preemption.PLANTED}", "ValueError: short"),
+        "tried to load step_999999"),
+    "weights or momentum not restored": (
+        lambda: preemption._compare({0: {"trained": {4: {"samples": [1], "noise": 0.5, "lr": 0.1, "loss": 2.0}}}},
+                                    [{0: {"start": 3, "trained": {4: {"samples": [1], "noise": 0.5, "lr": 0.1,
+                                                                      "loss": 2.5}}}}], None),
+        "computed another loss"),
+}
+
+
+@pytest.mark.parametrize("name", BY_HAND)
+def test_a_reading_of_the_drill_is_named(name):
+    judge, says = BY_HAND[name]
+    with names(name, says=says):
+        judge()
 
 
 @pytest.mark.processes
@@ -191,3 +251,8 @@ def test_a_reference_of_another_length_is_refused(tmp_path):
     short = {0: {"trained": {1: {}, 2: {}}}}
     with pytest.raises(CheckFailed, match=r"the reference trained 2 steps, the drill runs 30"):
         check_preemption_safe(tmp_path / "safe_train.py", short, steps=STEPS)
+
+
+PLANTS = {**GPU_READINGS, **BY_HAND,
+          "periodic saves block the training": "test_periodic_saves_that_block_the_training_are_named",
+          **{name: plant for plant, name in NAMED_AS.items() if isinstance(name, str)}}

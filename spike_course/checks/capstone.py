@@ -1033,68 +1033,106 @@ def capstone_job_mistakes(script, folder, first_attempt_only=False) -> list[Chec
     return judge.failures
 
 
+class _Line:
+    """A `runai ... submit` line, read: its words, the pods' command, and the job it should start
+    (``nodes`` DGX nodes of ``gpus_per_node`` GPUs running ``script``)."""
+
+    def __init__(self, line: str, script: str, nodes: int, gpus_per_node: int):
+        self.words, self.script, self.nodes, self.gpus = shlex.split(line), script, nodes, gpus_per_node
+        self.command = " ".join(self.words[self.words.index("--") + 1:]) if "--" in self.words else ""
+        self.master = "--no-master" not in self.words  # Run:ai adds a master pod, which trains too, unless told not to
+
+    def value(self, flag):
+        return self.words[self.words.index(flag) + 1] if flag in self.words else None
+
+    @property
+    def pods(self) -> int:
+        return int(self.value("--workers") or 0) + self.master
+
+    @property
+    def per_node(self) -> list[str]:
+        return [w for w in shlex.split(self.command) if w.startswith("--nproc-per-node")]
+
+    @property
+    def image(self) -> str:
+        return self.value("-i") or ""
+
+    @property
+    def environment(self) -> list[str]:
+        return [self.words[i + 1] for i, word in enumerate(self.words[:-1]) if word == "-e"]
+
+
+def _no_registry(image: str) -> bool:
+    host = image.split("/")[0]
+    return "/" not in image or "." not in host and ":" not in host
+
+
+# The line runs the script on the nodes with all their GPUs: its pods and GPUs, each pod's
+# command, the image, resources and environment (readings: the line), in this order.
+SUBMIT_MISTAKES = (
+    Mistake("not a distributed workload", lambda x: x.words[1:4] != ["training", "pytorch", "submit"],
+            "this is not a distributed PyTorch workload: `runai training submit` makes ONE pod. Pass workers=... to "
+            "submit_command for `runai training pytorch submit`, so the training operator starts the pods and their "
+            "rendezvous."),
+    Mistake("pods not the nodes", lambda x: x.pods != x.nodes,
+            lambda x: f"this line asks for {x.pods} pods ({x.value('--workers')} workers"
+                      + (" and the master pod Run:ai adds" if x.master else ", no master") +
+                      f"), each a whole DGX node, but the job should use {x.nodes} nodes: count every pod that "
+                      "trains."),
+    Mistake("not all the node's GPUs", lambda x: x.value("--gpu-devices-request") != str(x.gpus),
+            lambda x: f"--gpu-devices-request is {x.value('--gpu-devices-request')}: a pod is one node here, so ask "
+                      f"for all its {x.gpus} GPUs (gpus={x.gpus})."),
+    Mistake("no torchrun", lambda x: "torchrun" not in x.command and "torch.distributed.run" not in x.command,
+            "the pod's command does not start torchrun: plain python starts one process, but the script reads "
+            "RANK/LOCAL_RANK that torchrun sets, one per GPU."),
+    Mistake("standalone", lambda x: "--standalone" in x.command,
+            "--standalone makes every pod a job of its own (a private rendezvous on localhost): leave it out, "
+            "torchrun reads the shared rendezvous from the PET_* variables the operator injects."),
+    Mistake("not one process per GPU",
+            lambda x: not x.per_node or x.per_node[0].split("=")[-1] not in (str(x.gpus), "gpu"),
+            lambda x: f"torchrun should start one process per GPU, --nproc-per-node={x.gpus} (or gpu), got "
+                      f"{x.per_node or 'none'}."),
+    Mistake("another script", lambda x: x.script not in x.command, lambda x: f"the command does not run {x.script}."),
+    Mistake("no registry", lambda x: _no_registry(x.image),
+            lambda x: f"the image {x.image!r} names no registry: Run:ai would pull it from Docker Hub, where the "
+                      "team's image is not. Give it whole: registry host, project, image."),
+    Mistake("memory without a unit",
+            lambda x: x.value("--cpu-memory-request") is None or not x.value("--cpu-memory-request")[-1].isalpha(),
+            lambda x: f"the memory request is {x.value('--cpu-memory-request')!r}: a Kubernetes quantity without a "
+                      "unit counts bytes. Ask with a unit (G, Gi)."),
+    Mistake("a shared rendezvous store", lambda x: "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" not in x.environment,
+            "the pods' environment does not give a restarted round its own rendezvous store (chapter 07): by "
+            "default the restarted workers share the previous round's store, can read the dead workers' "
+            "addresses, and fail instead of resuming."),
+)
+# ...and after the rehearsal, where the files live.
+NO_VOLUME = Mistake(
+    "no team volume", lambda x: x.value("--existing-pvc") is None or "/data" not in x.command,
+    "mount the team's volume (pvc=...) and keep the script and --checkpoint on it (cd /data/...): a pod's own disk "
+    "disappears with the pod, and with it the checkpoint a restarted job needs.")
+
+
 def check_capstone_submit(line: str, script: str = "train.py", nodes: int = 2,
                           gpus_per_node: int = 8) -> None:
     """The Run:ai line runs ``script`` on ``nodes`` DGX nodes with all their GPUs, from the
-    cluster's facts: its pods and GPUs, each pod's command, the image, resources and environment."""
+    cluster's facts: its pods and GPUs, each pod's command, the image, resources and environment;
+    then each pod's command rehearsed as the cluster runs it."""
     if not isinstance(line, str) or not line.startswith("runai "):
         raise CheckFailed(f"expected the runai command line as a string, got {line!r}: build it with "
                           "spike_course.runai.submit_command(...).")
-    words = shlex.split(line)
-    command = " ".join(words[words.index("--") + 1:]) if "--" in words else ""
-    _pods_and_gpus(words, nodes, gpus_per_node)
-    _pod_command(command, script, gpus_per_node)
-    _image_resources_environment(words)
+    x = _Line(line, script, nodes, gpus_per_node)
+    name_the_first(SUBMIT_MISTAKES, x)
     _rehearsed(line)
-    if _value(words, "--existing-pvc") is None or "/data" not in command:
-        raise CheckFailed("mount the team's volume (pvc=...) and keep the script and --checkpoint "
-                          "on it (cd /data/...): a pod's own disk disappears with the pod, and with "
-                          "it the checkpoint a restarted job needs.")
+    name_the_first((NO_VOLUME,), x)
     passed(f"`runai training pytorch submit` with {nodes} pods of {gpus_per_node} GPUs, each "
            f"running torchrun on {script}; rehearsed under both operator releases, the pods meet "
            "and a SIGTERM reaches torchrun")
 
 
-def _value(words, flag):
-    return words[words.index(flag) + 1] if flag in words else None
-
-
-def _pods_and_gpus(words, nodes, gpus_per_node):
-    if words[1:4] != ["training", "pytorch", "submit"]:
-        raise CheckFailed("this is not a distributed PyTorch workload: `runai training submit` makes "
-                          "ONE pod. Pass workers=... to submit_command for `runai training pytorch "
-                          "submit`, so the training operator starts the pods and their rendezvous.")
-    master = "--no-master" not in words  # Run:ai adds a master pod, which trains too, unless told not to
-    pods = int(_value(words, "--workers")) + master
-    if pods != nodes:
-        raise CheckFailed(f"this line asks for {pods} pods ({_value(words, '--workers')} workers"
-                          + (" and the master pod Run:ai adds" if master else ", no master") +
-                          f"), each a whole DGX node, but the job should use {nodes} nodes: count every "
-                          "pod that trains.")
-    if _value(words, "--gpu-devices-request") != str(gpus_per_node):
-        raise CheckFailed(f"--gpu-devices-request is {_value(words, '--gpu-devices-request')}: a pod is one "
-                          f"node here, so ask for all its {gpus_per_node} GPUs (gpus={gpus_per_node}).")
-
-
-def _pod_command(command, script, gpus_per_node):
-    if "torchrun" not in command and "torch.distributed.run" not in command:
-        raise CheckFailed("the pod's command does not start torchrun: plain python starts one process, "
-                          "but the script reads RANK/LOCAL_RANK that torchrun sets, one per GPU.")
-    if "--standalone" in command:
-        raise CheckFailed("--standalone makes every pod a job of its own (a private rendezvous on "
-                          "localhost): leave it out, torchrun reads the shared rendezvous from the "
-                          "PET_* variables the operator injects.")
-    per_node = [w for w in shlex.split(command) if w.startswith("--nproc-per-node")]
-    if not per_node or per_node[0].split("=")[-1] not in (str(gpus_per_node), "gpu"):
-        raise CheckFailed(f"torchrun should start one process per GPU, --nproc-per-node={gpus_per_node} "
-                          f"(or gpu), got {per_node or 'none'}.")
-    if script not in command:
-        raise CheckFailed(f"the command does not run {script}.")
-
-
 def _rehearsed(line):
     """Each pod's command, read as the cluster runs it (chapter 07, section 7.6), under both
-    operator releases: the first mistake the rehearsal names is the learner's."""
+    operator releases: the first mistake the rehearsal names is the learner's (the rehearsal's
+    own table names it)."""
     from .. import rehearsal
     from ..rehearsal.findings import LINE, seen
 
@@ -1103,21 +1141,4 @@ def _rehearsed(line):
         if mistakes:
             name, message = mistakes[0]
             raise CheckFailed(f"rehearsed as the cluster would run it (an {flavour} training operator): "
-                              f"{message} [{name}]")
-
-
-def _image_resources_environment(words):
-    image = _value(words, "-i") or ""
-    host = image.split("/")[0]
-    if "/" not in image or "." not in host and ":" not in host:
-        raise CheckFailed(f"the image {image!r} names no registry: Run:ai would pull it from Docker Hub, "
-                          "where the team's image is not. Give it whole: registry host, project, image.")
-    memory = _value(words, "--cpu-memory-request")
-    if memory is None or not memory[-1].isalpha():
-        raise CheckFailed(f"the memory request is {memory!r}: a Kubernetes quantity without a unit counts "
-                          "bytes. Ask with a unit (G, Gi).")
-    environment = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "-e"]
-    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" not in environment:
-        raise CheckFailed("the pods' environment does not give a restarted round its own rendezvous store "
-                          "(chapter 07): by default the restarted workers share the previous round's store, "
-                          "can read the dead workers' addresses, and fail instead of resuming.")
+                              f"{message} [{name}]", mistake=name)

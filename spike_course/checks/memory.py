@@ -7,7 +7,7 @@ starts from, and where training ends. Most of its mistakes show in byte counts s
 cost model; where two mistakes give the same bytes, what the worker saw of the model (its FSDP
 units, what its forward computed in and on how many sequences) names the one that was made.
 They sit in tables of known mistakes (name, how its readings show it, message); exercise 2's
-usual slips are such a table too (_peak_slips)."""
+usual slips are such a table too (PEAK_SLIPS)."""
 
 from __future__ import annotations
 
@@ -317,33 +317,61 @@ PEAK_JOBS = [
 ]
 
 
-def _peak_slips(job) -> dict:
-    """{the slip, named: the total it predicts for ``job``} for the usual slips of exercise 2."""
-    model, seq, global_batch, gpus, accumulation, shard, precision, checkpoint = job
-    micro = global_batch // (gpus * accumulation)
-    return {
-        "the micro-batch is the global batch divided by the GPUs AND by the accumulation steps: "
-        "one forward sees global_batch // (gpus * accumulation) sequences":
-            _plan_total(model, seq, global_batch // gpus, shard, precision, checkpoint),
-        "the global batch is spread over the GPUs: one forward sees global_batch // (gpus * "
-        "accumulation) sequences, not the whole global batch":
-            _plan_total(model, seq, global_batch, shard, precision, checkpoint),
-        "the model states are sharded: each GPU holds 1/F of them (zero_memory_breakdown with "
-        "dp_size = shard and stage 3)":
-            _plan_total(model, seq, micro, shard, precision, checkpoint, states_factor=shard),
-        "the states are sharded over a group of F = shard GPUs, not over all of them: with "
-        "fewer (HSDP) each group holds its own replica":
-            _plan_total(model, seq, micro, gpus, precision, checkpoint),
-        "Adam's two moments are missing: k=8 bytes per parameter of optimizer state":
-            _plan_total(model, seq, micro, shard, precision, checkpoint, optimizer=False),
-        "the activations ignore checkpointing: pass checkpoint=checkpoint to activation_bytes":
-            _plan_total(model, seq, micro, shard, precision, not checkpoint),
-        "the activations are counted in fp32: pass precision=precision to activation_bytes":
-            _plan_total(model, seq, micro, shard, "fp32", checkpoint),
-        "mixed precision keeps fp32 master weights and gradients: 4 + 4 + 8 = 16 bytes per "
-        "parameter, not 2 + 2 + 8":
-            _plan_total(model, seq, micro, shard, precision, checkpoint, states_factor=12 / 16),
-    }
+class _Peak:
+    """A job of PEAK_JOBS, what peak_bytes predicted for it, and what the cost model gives."""
+
+    def __init__(self, job, got, expected):
+        self.job, self.got, self.expected = job, got, expected
+
+    def total(self, **change) -> float:
+        """The cost model's total with ``change`` made to what it is made from (micro, shard_over,
+        precision, checkpoint: each a value or a function of the job; states_factor, optimizer)."""
+        model, seq, global_batch, gpus, accumulation, shard, precision, checkpoint = self.job
+        parts = dict(micro=global_batch // (gpus * accumulation), shard_over=shard, precision=precision,
+                     checkpoint=checkpoint)
+        parts.update({k: v(self.job) if callable(v) else v for k, v in change.items()})
+        return _plan_total(model, seq, parts.pop("micro"), parts.pop("shard_over"), parts.pop("precision"),
+                           parts.pop("checkpoint"), **parts)
+
+    def gives(self, **change) -> bool:
+        """Whether the prediction is the total with ``change`` made, where that is not the right one."""
+        value = self.total(**change)
+        return value != self.expected and abs(self.got - value) <= 1e-9 * value
+
+
+# The usual slips of exercise 2: name -> (what the learner is told, the change to the cost
+# model's total that the slip makes; see _Peak.total).
+PEAK_SLIP_CHANGES = {
+    "micro-batch not divided by the accumulation": (
+        "the micro-batch is the global batch divided by the GPUs AND by the accumulation steps: one forward sees "
+        "global_batch // (gpus * accumulation) sequences", dict(micro=lambda job: job[2] // job[3])),
+    "the whole global batch in one forward": (
+        "the global batch is spread over the GPUs: one forward sees global_batch // (gpus * accumulation) "
+        "sequences, not the whole global batch", dict(micro=lambda job: job[2])),
+    "states not sharded": (
+        "the model states are sharded: each GPU holds 1/F of them (zero_memory_breakdown with dp_size = shard and "
+        "stage 3)", dict(states_factor=lambda job: job[5])),
+    "states sharded over every GPU": (
+        "the states are sharded over a group of F = shard GPUs, not over all of them: with fewer (HSDP) each group "
+        "holds its own replica", dict(shard_over=lambda job: job[3])),
+    "no optimizer state": ("Adam's two moments are missing: k=8 bytes per parameter of optimizer state",
+                           dict(optimizer=False)),
+    "checkpointing ignored": ("the activations ignore checkpointing: pass checkpoint=checkpoint to activation_bytes",
+                              dict(checkpoint=lambda job: not job[7])),
+    "activations in fp32": ("the activations are counted in fp32: pass precision=precision to activation_bytes",
+                            dict(precision="fp32")),
+    "no fp32 master weights": ("mixed precision keeps fp32 master weights and gradients: 4 + 4 + 8 = 16 bytes per "
+                               "parameter, not 2 + 2 + 8", dict(states_factor=12 / 16)),
+}
+
+
+def _peak_slip(name: str, what: str, change: dict) -> Mistake:
+    return Mistake(name, lambda p: p.gives(**change),
+                   lambda p: f"for {p.job}: you predict {p.got / 1e9:,.6g} GB, the cost model {p.expected / 1e9:,.6g} "
+                             f"GB: {what}.")
+
+
+PEAK_SLIPS = tuple(_peak_slip(name, what, change) for name, (what, change) in PEAK_SLIP_CHANGES.items())
 
 
 def check_peak_prediction(peak_bytes) -> None:
@@ -371,11 +399,7 @@ def _check_peaks(peak_bytes, memory_plan) -> None:
             raise CheckFailed("peak_bytes returned None: return the number of bytes")
         if abs(got - expected) <= 1e-9 * expected:
             continue
-        slips = _peak_slips(job)
-        for slip, value in slips.items():
-            if value != expected and abs(got - value) <= 1e-9 * value:
-                raise CheckFailed(f"for {job}: you predict {got / 1e9:,.6g} GB, the cost model "
-                                  f"{expected / 1e9:,.6g} GB: {slip}.")
+        name_the_first(PEAK_SLIPS, _Peak(job, got, expected))
         raise CheckFailed(f"for {job}: you predict {got / 1e9:,.6g} GB, the cost model "
                           f"{expected / 1e9:,.6g} GB. Add the sharded states (16 bytes per parameter "
                           "over F ranks) and activation_bytes of one micro-batch.")

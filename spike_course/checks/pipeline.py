@@ -108,54 +108,65 @@ STAGE_MISTAKES = (
 )
 
 
-def _check_reached(grads: dict, reference: dict, stages: dict) -> None:
-    """Every parameter has a gradient that is not all zeros: the backward ran, and crossed the
-    stage boundary back to the first stage."""
+def _unreached(grads: dict, reference: dict) -> list[str]:
+    """The parameters with no gradient, or one of zeros where the reference's is not."""
     import torch
 
     missing = [k for k in reference if grads.get(k) is None]
-    zero = [k for k in reference if k not in missing and not torch.as_tensor(grads[k]).any()
-            and torch.as_tensor(reference[k]).any()]
-    if not (missing or zero):
-        return
-    names = missing + zero
-    where = sorted({stages[k] for k in names if k in stages})
-    if where and min(where) < max(stages.values(), default=0):
-        raise CheckFailed(
-            f"no gradient reached stage {where} (parameters {names}): the backward pass stops at "
-            "a stage boundary unless you carry it across. The receiving stage must call "
-            "requires_grad_() on the activation it received and send that activation's .grad "
-            "back; the sending stage must call output.backward(received_grad) on the output it "
-            "kept from the forward.")
-    raise CheckFailed(f"no gradient for {names}: did the stage run backward (loss.backward()) "
-                      "and report its parameters' .grad?")
+    return missing + [k for k in reference if k not in missing and not torch.as_tensor(grads[k]).any()
+                      and torch.as_tensor(reference[k]).any()]
 
 
-def _check_shapes(grads: dict, reference: dict) -> None:
-    """Each gradient has its parameter's shape."""
+def _unreached_stages(grads: dict, reference: dict, stages: dict) -> list[int]:
+    return sorted({stages[k] for k in _unreached(grads, reference) if k in stages})
+
+
+# Every parameter has a gradient that is not all zeros: the backward ran, and crossed the stage
+# boundary back to the first stage (readings: the gradients, the reference's, each one's stage).
+REACH_MISTAKES = (
+    Mistake("the boundary not crossed",
+            lambda grads, reference, stages: bool(_unreached_stages(grads, reference, stages))
+            and min(_unreached_stages(grads, reference, stages)) < max(stages.values(), default=0),
+            lambda grads, reference, stages: f"no gradient reached stage {_unreached_stages(grads, reference, stages)} "
+                                             f"(parameters {_unreached(grads, reference)}): the backward pass stops at "
+                                             "a stage boundary unless you carry it across (Hint 1)."),
+    Mistake("no backward", lambda grads, reference, stages: bool(_unreached(grads, reference)),
+            lambda grads, reference, stages: f"no gradient for {_unreached(grads, reference)}: did the stage run "
+                                             "backward (loss.backward()) and report its parameters' .grad?"),
+)
+
+
+def _shape(t) -> tuple:
     import torch
 
-    def shape(t) -> tuple:
-        return tuple(torch.as_tensor(t).shape)
-
-    shapes = [k for k in reference if shape(grads[k]) != shape(reference[k])]
-    if shapes:
-        raise CheckFailed(f"gradients of {shapes} have the wrong shape: report param.grad for each parameter")
+    return tuple(torch.as_tensor(t).shape)
 
 
-def _check_stages(g: _Gradients, wrong: list, stages: dict) -> None:
+WRONG_SHAPES = Mistake(
+    "gradients of another shape",
+    lambda grads, reference: any(_shape(grads[k]) != _shape(reference[k]) for k in reference),
+    lambda grads, reference: f"gradients of {[k for k in reference if _shape(grads[k]) != _shape(reference[k])]} "
+                             "have the wrong shape: report param.grad for each parameter")
+
+# What else shows where some stages' gradients are right: a received gradient that met another
+# micro-batch's output (readings: the wrong stages' gradients).
+MISPAIRED = Mistake(
+    "outputs and gradients of different micro-batches", lambda g: True,
+    lambda g: f"stage {g.where} has wrong gradients ({sorted(g.reference)}) while the other stage is right: each "
+              "received gradient must meet the output of the same micro-batch. Keep the forward outputs in a list "
+              "and run backward in the order the gradients are sent.")
+
+
+def _check_stages(g: _Gradients, stages: dict) -> None:
     """Where some stages' gradients are right and others' wrong, the mistake is in what crossed
     the boundary: a 1/m applied again or not at all (told by the wrong stages' gradients alone),
     else a received gradient that met another micro-batch's output."""
+    wrong = [k for k in g.reference if not close(g.grads[k], g.reference[k], g.rtol, g.atol)]
     wrong_stages = sorted({stages[k] for k in wrong if k in stages})
     if not (stages and wrong_stages and len(wrong_stages) < len(set(stages.values()))):
         return
     part = {k: g.reference[k] for k in g.reference if stages.get(k) in wrong_stages}
-    name_the_first(STAGE_MISTAKES, _Gradients(g.grads, part, g.m, g.rtol, g.atol, where=wrong_stages))
-    raise CheckFailed(
-        f"stage {wrong_stages} has wrong gradients ({wrong}) while the other stage is right: "
-        "each received gradient must meet the output of the same micro-batch. Keep the "
-        "forward outputs in a list and run backward in the order the gradients are sent.")
+    name_the_first((*STAGE_MISTAKES, MISPAIRED), _Gradients(g.grads, part, g.m, g.rtol, g.atol, where=wrong_stages))
 
 
 def check_pipeline_gradients(grads: dict, reference: dict, microbatches: int, stages: dict | None = None,
@@ -175,15 +186,15 @@ def check_pipeline_gradients(grads: dict, reference: dict, microbatches: int, st
     if events is not None:
         check_gpipe_schedule(events, microbatches)
     stages = stages or {}
-    _check_reached(grads, reference, stages)
-    _check_shapes(grads, reference)
+    name_the_first(REACH_MISTAKES, grads, reference, stages)
+    name_the_first((WRONG_SHAPES,), grads, reference)
     g = _Gradients(grads, reference, microbatches, rtol, atol, last_microbatch=last_microbatch)
     if g.times(1.0):
         passed(f"GPipe gradients over {microbatches} micro-batches equal the single-process gradients")
         return
     name_the_first(WHOLE_MODEL_MISTAKES, g)
+    _check_stages(g, stages)
     wrong = [k for k in reference if not close(grads[k], reference[k], rtol, atol)]
-    _check_stages(g, wrong, stages)
     raise CheckFailed(
         f"gradients of {wrong} differ from the single-process model's (best scale factor "
         f"{g.scale:.4g}). Check that the micro-batches are the batch cut in order (x.chunk(m)), "

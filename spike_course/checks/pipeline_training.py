@@ -104,23 +104,42 @@ def _check_ran(results: tuple) -> None:
         raise CheckFailed(f"rank {r} failed: {error}")
 
 
-def _check_same_samples(a: list, b: list, kind: str) -> None:
-    """Both stages read the same samples in the same order: the stages of one pipeline process
-    one batch, rank 0's images and rank 1's labels of the same samples."""
-    if a == b:
-        return
-    if not set(a) & set(b):
-        raise CheckFailed(f"the two stages read disjoint {kind} samples (rank 0 {len(set(a))}, rank 1 "
-                          f"{len(set(b))}, none in common): a DistributedSampler splits the data "
-                          "between data-parallel replicas. The stages of ONE pipeline process the "
-                          "same batch: give both ranks the whole dataset.")
+def _first_difference(a: list, b: list) -> str:
     at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) if len(a) == len(b) else None
-    raise CheckFailed(f"the two stages walked through the {kind} data in different orders"
-                      + (f" (first difference at sample {at}: rank 0 read {a[at]}, rank 1 {b[at]})"
-                         if at is not None else "") +
-                      ": rank 1 scored rank 0's images with the labels of other samples. Shuffle "
-                      "both loaders with the same generator seed on every rank (not the rank, "
-                      "not the global RNG after rank-dependent code).")
+    return f" (first difference at sample {at}: rank 0 read {a[at]}, rank 1 {b[at]})" if at is not None else ""
+
+
+# The stages of one pipeline process one batch, rank 0's images and rank 1's labels of the same
+# samples (readings: the samples rank 0 and rank 1 read, in order, and which data).
+SAMPLE_MISTAKES = (
+    Mistake("a DistributedSampler between the stages", lambda a, b, kind: not set(a) & set(b),
+            lambda a, b, kind: f"the two stages read disjoint {kind} samples (rank 0 {len(set(a))}, rank 1 "
+                               f"{len(set(b))}, none in common): a DistributedSampler splits the data between "
+                               "data-parallel replicas. The stages of ONE pipeline process the same batch: give both "
+                               "ranks the whole dataset."),
+    Mistake("the stages in different orders", lambda a, b, kind: a != b,
+            lambda a, b, kind: f"the two stages walked through the {kind} data in different orders"
+                               f"{_first_difference(a, b)}: rank 1 scored rank 0's images with the labels of other "
+                               "samples. Shuffle both loaders with the same generator seed on every rank (not the "
+                               "rank, not the global RNG after rank-dependent code)."),
+)
+
+
+def _check_same_samples(a: list, b: list, kind: str) -> None:
+    name_the_first(SAMPLE_MISTAKES, a, b, kind)
+
+
+# A stage module in the wrong mode (readings: the rank, the phase, whether it was training).
+MODE_MISTAKES = (
+    Mistake("train mode not restored", lambda r, phase, training: phase.startswith("training") and not training,
+            lambda r, phase, training: f"rank {r}'s stage module was in eval mode during {phase}: evaluate() "
+                                       "switched it with module.eval() and train_epoch() never switched it back "
+                                       "(dropout and batch norm behave differently in the two modes; Hint 1)."),
+    Mistake("dropout on in evaluation", lambda r, phase, training: phase.startswith("evaluation") and training,
+            lambda r, phase, training: f"rank {r}'s stage module was in training mode during {phase}: the module "
+                                       "you gave the PipelineStage (its submod) must evaluate with dropout off "
+                                       "(Hint 1)."),
+)
 
 
 def _check_modes(results: tuple) -> None:
@@ -128,15 +147,7 @@ def _check_modes(results: tuple) -> None:
     evaluation forward."""
     for r, result in enumerate(results):
         for phase, training in result["modes"]:
-            if phase.startswith("training") and not training:
-                raise CheckFailed(f"rank {r}'s stage module was in eval mode during {phase}: evaluate() "
-                                  "switched it with module.eval() and train_epoch() never switched it back. "
-                                  "Call module.train() at the start of every epoch (dropout and batch norm "
-                                  "behave differently in the two modes).")
-            if phase.startswith("evaluation") and training:
-                raise CheckFailed(f"rank {r}'s stage module was in training mode during {phase}: call "
-                                  "module.eval() (the module you gave the PipelineStage, its submod) before "
-                                  "evaluating, or dropout stays on.")
+            name_the_first(MODE_MISTAKES, r, phase, training)
 
 
 def _check_weights(launched: dict, results: tuple, data_file) -> list:
@@ -151,13 +162,23 @@ def _check_weights(launched: dict, results: tuple, data_file) -> list:
     states, history = _reference(data, results[0]["train_order"], config, launched[0]["threads"], devices)
     for r, result in enumerate(results):
         for key, want in states[r].items():
-            if not torch.equal(result["state"][key], want):
-                gap = (result["state"][key] - want).abs().max().item()
-                raise CheckFailed(f"after training, stage {r}'s {key} differs from one process trained on the "
-                                  f"same batches (largest difference {gap:.3g}). Per batch: "
-                                  "optimizer.zero_grad(), one schedule.step(...) (input on the first stage, "
-                                  "target on the last), optimizer.step().")
+            name_the_first((ANOTHER_STEP,), r, key, result["state"][key], want)
     return history
+
+
+# A stage's weights after training that one process's do not equal (readings: the stage, the
+# weight's name, its value, one process's).
+ANOTHER_STEP = Mistake(
+    "another training step", lambda r, key, got, want: not _torch_equal(got, want),
+    lambda r, key, got, want: f"after training, stage {r}'s {key} differs from one process trained on the same "
+                              f"batches (largest difference {(got - want).abs().max().item():.3g}): each batch is one "
+                              "step of the optimizer from freshly zeroed gradients (Hint 3).")
+
+
+def _torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
 
 
 def _test_loss(want: dict) -> float:
@@ -210,20 +231,26 @@ def _check_test_loss(epoch: int, loss: float, want: dict) -> None:
                           "set, divide by the number of test samples.")
 
 
+NOTHING_RETURNED = Mistake(
+    "nothing returned", lambda got, epochs: len(got) != epochs or any(h is None for h in got),
+    lambda got, epochs: f"evaluate() returned {got!r} on the last stage after each epoch: return (mean loss per "
+                        "sample, accuracy).")
+# a count of right answers over the test set's size: any honest way of computing it agrees to a
+# rounding (1e-16), and one answer more or less moves it by 1/len(test)
+ANOTHER_ACCURACY = Mistake(
+    "accuracy not over the whole test set", lambda epoch, accuracy, want: not abs(accuracy - want) <= 1e-12,  # or NaN
+    lambda epoch, accuracy, want: f"after epoch {epoch}: accuracy {accuracy}, expected {want}: the last stage's "
+                                  "eval() returns the whole batch's output; compare its argmax with the labels, over "
+                                  "all the test set.")
+
+
 def _check_evaluation(got: list, history: list, config: dict) -> None:
     """After each epoch, the last stage's evaluate() returned the mean test loss per sample and
     the accuracy over the whole test set."""
-    if len(got) != config["epochs"] or any(h is None for h in got):
-        raise CheckFailed(f"evaluate() returned {got!r} on the last stage after each epoch: return "
-                          "(mean loss per sample, accuracy).")
+    name_the_first((NOTHING_RETURNED,), got, config["epochs"])
     for epoch, ((loss, accuracy), want) in enumerate(zip(got, history), start=1):
         _check_test_loss(epoch, loss, want)
-        # a count of right answers over the test set's size: any honest way of computing it
-        # agrees to a rounding (1e-16), and one answer more or less moves it by 1/len(test)
-        if not abs(accuracy - want["accuracy"]) <= 1e-12:  # or NaN
-            raise CheckFailed(f"after epoch {epoch}: accuracy {accuracy}, expected {want['accuracy']}: the "
-                              "last stage's eval() returns the whole batch's output; compare its argmax "
-                              "with the labels, over all the test set.")
+        name_the_first((ANOTHER_ACCURACY,), epoch, accuracy, want["accuracy"])
 
 
 def check_pipeline_training(launched, data_file, functions: str = "pipeline_functions") -> None:

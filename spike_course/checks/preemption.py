@@ -157,68 +157,132 @@ def _started(job, what):
                           "that the other never entered.")
 
 
+class _Stop:
+    """A launch that received SIGTERM (on ``ranks``): how its ranks ended, what they reported,
+    and, if the grace period ran out (``killed``), the steps each had done then (``last``)."""
+
+    def __init__(self, job, last, killed, ranks, what):
+        self.job, self.last, self.killed, self.ranks, self.what = job, last, killed, ranks, what
+        self.codes = job.returncodes
+        self.reported = sorted(job.reports) == list(range(job.nproc))
+
+    @property
+    def unprepared(self) -> int | None:
+        """The first signalled rank that SIGTERM ended at once, or None."""
+        return next((r for r in self.ranks if self.codes.get(r) == -signal.SIGTERM), None)
+
+    @property
+    def steps_when_killed(self) -> dict:
+        return {r: s for r, (_, s) in self.last.items()} if self.killed else {}
+
+    @property
+    def aborted(self) -> int | None:
+        """The first rank that reported and then aborted its exit (SIGABRT), or None."""
+        return next((r for r in range(self.job.nproc) if self.codes.get(r) == -signal.SIGABRT
+                     and r in self.job.reports), None)
+
+    @property
+    def stops(self) -> dict:
+        """rank -> (steps done, the signal it stopped on), as the ranks reported."""
+        return {r: (rep["step"], rep["stopped"]) for r, rep in self.job.reports.items()}
+
+
+NOT_AWAITED = ("a background save (dcp.async_save) that nobody waited for: its future must be done, and the save "
+               "known to be complete, before the process ends (Hint 4).")
+
+# How a launch ended after SIGTERM, in this order (readings: the stop).
+STOP_MISTAKES = (
+    Mistake("no handler", lambda t: t.unprepared is not None,
+            lambda t: f"in the {t.what}, SIGTERM ended rank {t.unprepared} at once (exit code -15): nothing caught the "
+                      "signal, so the job saved nothing. See Hint 1."),
+    Mistake("a save never awaited, hung at exit", lambda t: t.killed and t.reported,
+            lambda t: f"in the {t.what}, the ranks stopped after step {t.job.reports[0]['step']} and reported, but did "
+                      f"not exit within the grace period of {GRACE:.0f} s and were killed: the processes hung at "
+                      f"exit. That is where {NOT_AWAITED}"),
+    Mistake("each rank decides alone", lambda t: t.killed and len(set(t.steps_when_killed.values())) > 1,
+            lambda t: f"in the {t.what}, the ranks stopped at different steps ({t.steps_when_killed}, steps done per "
+                      f"rank when the grace period of {GRACE:.0f} s ran out) and the job hung until SIGKILL: one rank "
+                      "decided to stop by itself while the other went on into the next step's collectives. All ranks "
+                      "must decide together, at the same step boundary (Hint 2)."),
+    Mistake("saving inside the handler", lambda t: t.killed,
+            lambda t: f"in the {t.what}, the job did not leave within the grace period of {GRACE:.0f} s after SIGTERM "
+                      "and was killed, although every rank was at the same step: it hung inside a step. A save (or "
+                      "any collective) started from the signal handler runs while the other rank is inside a training "
+                      "collective. The handler may only record the signal (Hint 1)."),
+    # it finished and reported: what aborted its exit was a thread still running
+    Mistake("a save never awaited, aborted at exit", lambda t: t.aborted is not None,
+            lambda t: f"in the {t.what}, rank {t.aborted} stopped and reported, then aborted as it exited (exit code "
+                      "-6, SIGABRT): a background thread was still running when the process ended. That is "
+                      f"{NOT_AWAITED}"),
+)
+# What the ranks reported once they all stopped (readings: the stop).
+AGREEMENT_MISTAKES = (
+    Mistake("rank 0 alone decides", lambda t: 0 not in t.ranks and all(sig == 0 for _, sig in t.stops.values()),
+            lambda t: f"in the {t.what}, only rank {min(t.ranks)} received SIGTERM, and the job trained on to step "
+                      f"{t.stops[0][0]} as if nothing had happened: the decision to stop ignored that rank's flag "
+                      "(rank 0 alone decided?). Every rank's flag must count, and all ranks must learn the same "
+                      "answer (Hint 2)."),
+    Mistake("the ranks stop apart",
+            lambda t: len({s for s, _ in t.stops.values()}) > 1
+            or any(sig != signal.SIGTERM for _, sig in t.stops.values()),
+            lambda t: f"in the {t.what}, the ranks reported (steps done, signal) = {t.stops}: every rank, also one "
+                      "that received no signal itself, must stop at the same step and report stopped=SIGTERM "
+                      "(Hint 2)."),
+)
+
+
 def _after_sigterm(job, last, killed, ranks, what):
     _started(job, what)
-    codes = job.returncodes
-    if any(codes.get(r) == -signal.SIGTERM for r in ranks):
-        raise CheckFailed(f"in the {what}, SIGTERM ended rank {min(r for r in ranks if codes.get(r) == -signal.SIGTERM)} "
-                          "at once (exit code -15): nothing caught the signal, so the job saved nothing. "
-                          "See Hint 1.")
-    if killed and sorted(job.reports) == list(range(job.nproc)):
-        raise CheckFailed(
-            f"in the {what}, the ranks stopped after step {job.reports[0]['step']} and reported, but did not "
-            f"exit within the grace period of {GRACE:.0f} s and were killed: the processes hung at exit. That "
-            "is where a background save (dcp.async_save) that nobody waited for still runs: its future must "
-            "be done, and the save known to be complete, before the process ends (Hint 4).")
-    if killed:
-        steps = {r: s for r, (_, s) in last.items()}
-        if len(set(steps.values())) > 1:
-            raise CheckFailed(
-                f"in the {what}, the ranks stopped at different steps ({steps}, steps done per rank when the "
-                f"grace period of {GRACE:.0f} s ran out) and the job hung until SIGKILL: one rank decided to "
-                "stop by itself while the other went on into the next step's collectives. All ranks must "
-                "decide together, at the same step boundary (Hint 2).")
-        raise CheckFailed(
-            f"in the {what}, the job did not leave within the grace period of {GRACE:.0f} s after SIGTERM and "
-            "was killed, although every rank was at the same step: it hung inside a step. A save (or any "
-            "collective) started from the signal handler runs while the other rank is inside a training "
-            "collective. The handler may only record the signal (Hint 1).")
-    aborted = [r for r in range(job.nproc) if codes.get(r) == -signal.SIGABRT and r in job.reports]
-    if aborted:  # it finished and reported: what aborted its exit was a thread still running
-        raise CheckFailed(
-            f"in the {what}, rank {aborted[0]} stopped and reported, then aborted as it exited (exit code -6, "
-            "SIGABRT): a background thread was still running when the process ended. That is a background "
-            "save (dcp.async_save) that nobody waited for: its future must be done, and the save known to "
-            "be complete, before the process ends (Hint 4).")
-    if not job.ok or sorted(job.reports) != list(range(job.nproc)):
-        rank, code, error = job.failure.rank, job.failure.code, job.failure.error
-        raise CheckFailed(f"in the {what}, rank {rank} failed after SIGTERM (exit code {code}): {error}. "
-                          "The launch output shows its traceback.")
-    stops = {r: (rep["step"], rep["stopped"]) for r, rep in job.reports.items()}
-    if 0 not in ranks and all(sig == 0 for _, sig in stops.values()):
-        raise CheckFailed(
-            f"in the {what}, only rank {min(ranks)} received SIGTERM, and the job trained on to step "
-            f"{stops[0][0]} as if nothing had happened: the decision to stop ignored that rank's flag (rank 0 "
-            "alone decided?). Every rank's flag must count, and all ranks must learn the same answer (Hint 2).")
-    if len({s for s, _ in stops.values()}) > 1 or any(sig != signal.SIGTERM for _, sig in stops.values()):
-        raise CheckFailed(f"in the {what}, the ranks reported (steps done, signal) = {stops}: every rank, "
-                          "also one that received no signal itself, must stop at the same step and report "
-                          "stopped=SIGTERM (Hint 2).")
-    return stops[0][0]
+    t = _Stop(job, last, killed, ranks, what)
+    name_the_first(STOP_MISTAKES, t)
+    if not job.ok or not t.reported:
+        raise CheckFailed(f"in the {what}, rank {job.failure.rank} failed after SIGTERM (exit code "
+                          f"{job.failure.code}): {job.failure.error}. The launch output shows its traceback.")
+    name_the_first(AGREEMENT_MISTAKES, t)
+    return t.stops[0][0]
+
+
+# Where a relaunch resumed (readings: the step it started from, the step it should not start before, the launch).
+RESUME_MISTAKES = (
+    Mistake("a half-written checkpoint loaded", lambda start, expected_from, what: start == int(PLANTED.split("_")[1]),
+            lambda start, expected_from, what: f"the {what} loaded {PLANTED}, a checkpoint folder whose save never "
+                                               "finished (the check left it as a SIGKILL in the middle of a save "
+                                               "would). Load only checkpoints known to be complete (Hint 3)."),
+    Mistake("the last save lost", lambda start, expected_from, what: start < expected_from,
+            lambda start, expected_from, what: f"the job stopped after step {expected_from} on SIGTERM, but the {what} "
+                                               f"resumed from step {start}: the work of steps "
+                                               f"{start + 1}..{expected_from} was lost. The save of the step the job "
+                                               "stopped at must be finished, and known to be finished, before the "
+                                               f"process exits; {NOT_AWAITED}"),
+)
 
 
 def _resumed(job, expected_from, what):
-    start = job.reports[0]["start"]
-    if start == int(PLANTED.split("_")[1]):
-        raise CheckFailed(f"the {what} loaded {PLANTED}, a checkpoint folder whose save never finished (the "
-                          "check left it as a SIGKILL in the middle of a save would). Load only checkpoints "
-                          "known to be complete (Hint 3).")
-    if start < expected_from:
-        raise CheckFailed(
-            f"the job stopped after step {expected_from} on SIGTERM, but the {what} resumed from step {start}: "
-            f"the work of steps {start + 1}..{expected_from} was lost. The save of the step the job stopped at "
-            "must be finished, and known to be finished, before the process exits; a background save "
-            "(dcp.async_save) runs on after the call returns, until its future is done (Hint 4).")
+    name_the_first(RESUME_MISTAKES, job.reports[0]["start"], expected_from, what)
+
+
+# A resumed step that is not the uninterrupted run's (readings: where, what it trained, what that run did).
+STEP_MISTAKES = (
+    Mistake("data position not saved", lambda where, got, want: got["samples"] != want["samples"],
+            lambda where, got, want: f"{where} trained samples {got['samples'][:4]}..., the uninterrupted run "
+                                     f"{want['samples'][:4]}...: the resumed run does not continue at the data "
+                                     "position it stopped at (the epoch, the place in it, the shuffle). Hint 5."),
+    Mistake("random state not saved", lambda where, got, want: got["noise"] != want["noise"],
+            lambda where, got, want: f"{where} drew other random numbers than the uninterrupted run (its input noise "
+                                     "differs; dropout does too): each rank's random number generators (the CPU's, "
+                                     "and on a GPU the GPU's) must continue where they were. Hint 5."),
+    Mistake("learning rate not restored", lambda where, got, want: got["lr"] != want["lr"],
+            lambda where, got, want: f"{where} used learning rate {got['lr']:g}, the uninterrupted run {want['lr']:g}: "
+                                     "the learning rate schedule did not continue where it stopped. The current rate "
+                                     "lives in the optimizer's param_groups (restored with the optimizer's state, "
+                                     "which also holds SGD's momentum), the schedule's position in the scheduler's own "
+                                     "state_dict: both must be restored. Hint 3."),
+    Mistake("weights or momentum not restored", lambda where, got, want: got["loss"] != want["loss"],
+            lambda where, got, want: f"{where} saw the right samples, random numbers and learning rate but computed "
+                                     "another loss: the weights it trained are not the uninterrupted run's. Both the "
+                                     "model's weights and the optimizer's state (SGD's momentum) must be restored. "
+                                     "Hint 3."),
+)
 
 
 def _compare(reference, runs, final):
@@ -228,35 +292,21 @@ def _compare(reference, runs, final):
     for rank in sorted(reference):
         for run in runs:
             for step, got in sorted(run[rank]["trained"].items()):
-                want = reference[rank]["trained"][step]
                 where = f"rank {rank}, step {step} (a run that resumed from step {run[rank]['start']})"
-                if got["samples"] != want["samples"]:
-                    raise CheckFailed(
-                        f"{where} trained samples {got['samples'][:4]}..., the uninterrupted run "
-                        f"{want['samples'][:4]}...: the resumed run does not continue at the data position "
-                        "it stopped at (the epoch, the place in it, the shuffle). Hint 5.")
-                if got["noise"] != want["noise"]:
-                    raise CheckFailed(
-                        f"{where} drew other random numbers than the uninterrupted run (its input noise "
-                        "differs; dropout does too): each rank's random number generators (the CPU's, and "
-                        "on a GPU the GPU's) must continue where they were. Hint 5.")
-                if got["lr"] != want["lr"]:
-                    raise CheckFailed(
-                        f"{where} used learning rate {got['lr']:g}, the uninterrupted run {want['lr']:g}: the "
-                        "learning rate schedule did not continue where it stopped. The current rate lives in "
-                        "the optimizer's param_groups (restored with the optimizer's state, which also holds "
-                        "SGD's momentum), the schedule's position in the scheduler's own state_dict: both "
-                        "must be restored. Hint 3.")
-                if got["loss"] != want["loss"]:
-                    raise CheckFailed(
-                        f"{where} saw the right samples, random numbers and learning rate but computed another "
-                        "loss: the weights it trained are not the uninterrupted run's. Both the model's weights "
-                        "and the optimizer's state (SGD's momentum) must be restored. Hint 3.")
+                name_the_first(STEP_MISTAKES, where, got, reference[rank]["trained"][step])
     for name, value in reference[0]["params"].items():
         if not torch.equal(final[0]["params"][name], value):
             raise CheckFailed(f"the final {name} differs from the uninterrupted run's, although every step "
                               "saw the same data, random numbers, learning rate and loss: the last steps' "
                               "updates differ (was the optimizer's momentum restored?). Hint 3.")
+
+
+# The last launch failed on the half-written folder (readings: its output, its first error line).
+HALF_WRITTEN_TRIED = Mistake(
+    "a half-written checkpoint loaded, and failed", lambda output, error: PLANTED in output,
+    lambda output, error: f"the last launch tried to load {PLANTED}, a checkpoint folder whose save never finished "
+                          f"(the check left it as a SIGKILL in the middle of a save would), and failed: {error}. Load "
+                          "only checkpoints known to be complete (Hint 3).")
 
 
 def check_preemption_safe(script, reference, *, steps: int = 30, seed: int | None = None,
@@ -305,10 +355,7 @@ def check_preemption_safe(script, reference, *, steps: int = 30, seed: int | Non
     output = "\n".join(line for lines in job.output.values() for line in lines)
     if not job.ok or 0 not in job.reports:
         rank, code, error = job.failure.rank, job.failure.code, job.failure.error
-        if PLANTED in output:
-            raise CheckFailed(f"the last launch tried to load {PLANTED}, a checkpoint folder whose save never "
-                              "finished (the check left it as a SIGKILL in the middle of a save would), and "
-                              f"failed: {error}. Load only checkpoints known to be complete (Hint 3).")
+        name_the_first((HALF_WRITTEN_TRIED,), output, error)
         raise CheckFailed(f"the last launch (after a SIGKILL) failed: rank {rank}, exit code {code}: {error}.")
     _resumed(job, min(kill_at, job.reports[0]["start"]), "last launch (after a SIGKILL)")
     if job.reports[0]["start"] < stop2:
