@@ -10,6 +10,7 @@ import torch
 
 from spike_course import checks, costmodel
 from spike_course.checks import Tampering, _guard, communication
+from spike_course.mistakes import Mistake
 
 import course_files
 from test_checks_communication import FIT, SOLUTION, WORLD
@@ -42,6 +43,17 @@ def test_the_checks_package_refuses_new_values():
                                          (communication, "_ring"), (communication, "passed")])
 def test_a_function_replaced_before_the_check_is_named(monkeypatch, capsys, where, name):
     monkeypatch.setattr(where, name, lambda *args, **kwargs: True)
+    with pytest.raises(Tampering, match=rf"replaced \S*{name}"):
+        run_check(*answers())
+    assert "check passed" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where, name, value", [
+    (Mistake, "seen", property(lambda mistake: lambda *readings: False)),  # every table would see nothing
+    (communication, "DGX_SLIPS", ()),  # a check's table, emptied
+])
+def test_the_shape_of_a_verdict_and_a_table_replaced_are_named(monkeypatch, capsys, where, name, value):
+    monkeypatch.setattr(where, name, value)
     with pytest.raises(Tampering, match=rf"replaced \S*{name}"):
         run_check(*answers())
     assert "check passed" not in capsys.readouterr().out

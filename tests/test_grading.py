@@ -93,6 +93,10 @@ ATTACKS = [
     ("    global checks\n    checks = None\n    return 41", "RebindsCourseName"),
     ("    import gc\n    return len(gc.get_referrers(answer)) * 0 + 42", "NamespaceReach"),
     ("    return ().__class__.__base__.__subclasses__() and 42", "NamespaceReach"),
+    # the one shape every check judges by, and a check's table of mistakes
+    ("    from spike_course.mistakes import Mistake\n    Mistake.seen = property(lambda m: lambda *a: False)\n"
+     "    return 41", "ModulePatched"),
+    ("    from spike_course.checks import zero\n    zero.NOT_DDP_MISTAKES = ()\n    return 41", "ModulePatched"),
 ]
 
 

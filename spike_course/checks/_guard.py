@@ -3,13 +3,13 @@
 Code in an answer runs in the same kernel before the check cell, so it could replace what
 the check calls (``checks.check_x = lambda *a: None``, ``math.isclose = lambda *a: True``,
 a cost-model function the check compares with). The course's first cell imports the
-checks before any answer runs; at that moment :func:`take_snapshot` records every function
-and class of the course's modules, of ``math``, and the builtins and torch comparisons the
-checks rely on. Each check verifies the record before it starts and before it prints
-"check passed", and fails with ``Tampering`` naming what was replaced. The ``checks``
-package itself refuses new values (:class:`SealedModule`), so the first attack fails where
-it is written. (``spike-course grade`` refuses all of these before anything runs:
-``spike_course.answer_scan``.)
+checks before any answer runs; at that moment :func:`take_snapshot` records every function,
+class and table (tuple) of the course's modules, what the classes the checks judge with hold,
+``math``'s functions, and the builtins and torch comparisons the checks rely on. Each check
+verifies the record before it starts and before it prints "check passed", and fails with
+``Tampering`` naming what was replaced. The ``checks`` package itself refuses new values
+(:class:`SealedModule`), so the first attack fails where it is written. (``spike-course
+grade`` refuses all of these before anything runs: ``spike_course.answer_scan``.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,13 @@ _BUILTINS = ("abs", "all", "any", "float", "int", "isinstance", "len", "max", "m
              "repr", "round", "sorted", "str", "sum", "zip")
 _TORCH = ("allclose", "equal", "isclose", "is_tensor", "as_tensor", "tensor")
 _TENSOR = ("allclose", "equal", "item", "tolist", "__eq__", "double", "float")
-_KINDS = (types.FunctionType, types.BuiltinFunctionType, type)
+# What a module holds that a check relies on: its functions and classes, and its tuples (the
+# checks' tables of mistakes are tuples of Mistakes: rebinding one would empty a check).
+_KINDS = (types.FunctionType, types.BuiltinFunctionType, type, tuple)
+# The modules whose classes the checks judge with: the verdict's shape, the launch result they
+# read, their own readings. (Not the launcher's machinery, which the tests patch to refuse a
+# process where a test did not say it starts one.)
+_JUDGING = ("spike_course.mistakes", "spike_course.launcher", "spike_course.checks")
 
 
 class Tampering(CheckFailed):
@@ -38,11 +44,18 @@ def _watched() -> dict:
     """(place, name) -> the object there now, for everything the checks rely on."""
     import torch
 
-    places = {f"{name}.": vars(module) for name, module in list(sys.modules.items())
+    course = {name: module for name, module in list(sys.modules.items())
               if module is not None and (name == "spike_course" or name.startswith("spike_course."))}
+    places = {f"{name}.": vars(module) for name, module in course.items()}
     places["math."] = vars(math)
     found = {(place, name): value for place, space in places.items() for name, value in list(space.items())
              if isinstance(value, _KINDS)}
+    # ...and all that the classes the checks judge with hold: a method or field replaced on a
+    # class (say Mistake.seen, which every check's table calls) changes no module's names.
+    found.update({(f"{name}.{key}.", attribute): value for name, module in course.items()
+                  if name.startswith(_JUDGING)
+                  for key, cls in list(vars(module).items()) if isinstance(cls, type) and cls.__module__ == name
+                  for attribute, value in list(vars(cls).items())})
     found.update({("", name): getattr(builtins, name) for name in _BUILTINS})
     found.update({("torch.", name): getattr(torch, name) for name in _TORCH})
     found.update({("torch.Tensor.", name): getattr(torch.Tensor, name) for name in _TENSOR})
