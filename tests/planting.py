@@ -58,3 +58,12 @@ def one_launch_for_all(sources: dict, function: str, loop_from: str, loop_to: st
             + textwrap.indent(base[body_start:body_end].rstrip() + "\n", "    ")
             + "runtime.report = _report\n")
     return base[:start] + "".join(definitions) + base[end:body_start] + loop + base[body_end:]
+
+
+def answer_function(source: str, name: str, old: str = "", new: str = "", namespace: dict | None = None):
+    """The function ``name`` that a solution cell's ``source`` defines, with ``old`` replaced by
+    ``new`` once, run with ``namespace`` (the names the notebook imported for it)."""
+    assert old in source, f"the solution no longer contains {old!r}: update this test"
+    namespace = dict(namespace or {})
+    exec(source.replace(old, new, 1), namespace)  # noqa: S102 - the course's own solution
+    return namespace[name]

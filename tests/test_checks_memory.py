@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from spike_course import costmodel, launch, widgets, workers
 from spike_course.checks import CheckFailed, check_fits_budget, check_peak_prediction, memory
 from named import mistake_of, names
+from planting import answer_function
 from spike_course.models import TinyTransformer
 
 import course_files
@@ -237,10 +238,7 @@ def test_bytes_alone_would_name_a_neighbour(runs):
 
 
 def planted_peak(old="", new=""):
-    assert old in PEAK, f"the solution no longer contains {old!r}: update this test"
-    namespace = {"costmodel": costmodel}
-    exec(PEAK.replace(old, new, 1).split("\nprint(")[0], namespace)
-    return namespace["peak_bytes"]
+    return answer_function(PEAK.split("\nprint(")[0], "peak_bytes", old, new, {"costmodel": costmodel})
 
 
 def test_peak_solution_passes(capsys):

@@ -18,22 +18,23 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = {path.stem: path.read_text() for path in sorted((ROOT / "solutions").glob("*.ipynb"))}
 
 
+def checks_in(module) -> list[str]:
+    """The check_* functions ``module`` defines (not those it imports)."""
+    return [name for name, value in vars(module).items()
+            if name.startswith("check_") and getattr(value, "__module__", "") == module.__name__]
+
+
 def check_modules():
     """Each module of spike_course.checks that defines a check_* function, by short name."""
-    found = {}
-    for info in pkgutil.iter_modules(spike_course.checks.__path__):
-        module = importlib.import_module(f"spike_course.checks.{info.name}")
-        if any(name.startswith("check_") and getattr(value, "__module__", "") == module.__name__
-               for name, value in vars(module).items()):
-            found[info.name] = module
-    return found
+    modules = {info.name: importlib.import_module(f"spike_course.checks.{info.name}")
+               for info in pkgutil.iter_modules(spike_course.checks.__path__)}
+    return {name: module for name, module in modules.items() if checks_in(module)}
 
 
 def chapters_of(module) -> list[str]:
     """The solution notebooks that call one of ``module``'s checks."""
-    checks = [name for name, value in vars(module).items()
-              if name.startswith("check_") and getattr(value, "__module__", "") == module.__name__]
-    return [stem for stem, text in SOLUTIONS.items() if any(re.search(rf"\b{c}\(", text) for c in checks)]
+    return [stem for stem, text in SOLUTIONS.items()
+            if any(re.search(rf"\b{check}\(", text) for check in checks_in(module))]
 
 
 def plants():

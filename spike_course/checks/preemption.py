@@ -145,7 +145,8 @@ def _kill(beats: dict) -> None:
 
 
 def _not_written(job):
-    if job.failure is not None and job.failure.blank:
+    failure = job.failure
+    if failure is not None and failure.blank:
         raise CheckFailed("safe_train.py is not written yet: a rank stopped at `raise NotImplementedError`. "
                           "Replace that line with your code and run the check again.")
 
@@ -236,8 +237,9 @@ def _after_sigterm(job, last, killed, ranks, what):
     t = _Stop(job, last, killed, ranks, what)
     name_the_first(STOP_MISTAKES, t)
     if not job.ok or not t.reported:
-        raise CheckFailed(f"in the {what}, rank {job.failure.rank} failed after SIGTERM (exit code "
-                          f"{job.failure.code}): {job.failure.error}. The launch output shows its traceback.")
+        failure = job.failure
+        raise CheckFailed(f"in the {what}, rank {failure.rank} failed after SIGTERM (exit code {failure.code}): "
+                          f"{failure.error}. The launch output shows its traceback.")
     name_the_first(AGREEMENT_MISTAKES, t)
     return t.stops[0][0]
 
@@ -354,7 +356,8 @@ def check_preemption_safe(script, reference, *, steps: int = 30, seed: int | Non
     _started(job, "last launch")
     output = "\n".join(line for lines in job.output.values() for line in lines)
     if not job.ok or 0 not in job.reports:
-        rank, code, error = job.failure.rank, job.failure.code, job.failure.error
+        failure = job.failure
+        rank, code, error = failure.rank, failure.code, failure.error
         name_the_first((HALF_WRITTEN_TRIED,), output, error)
         raise CheckFailed(f"the last launch (after a SIGKILL) failed: rank {rank}, exit code {code}: {error}.")
     _resumed(job, min(kill_at, job.reports[0]["start"]), "last launch (after a SIGKILL)")

@@ -115,8 +115,8 @@ def check_job_plan(plan_job) -> None:
 
 
 class _Plan:
-    """One plan_job answer and what the check measures of it, filled in step by step: the
-    layout's states per rank, the cost model's activations, step time and hours."""
+    """One plan_job answer and what the check measures of it: the states per rank of the plan
+    laid out on the fake group, the cost model's activations, step time and hours."""
 
     def __init__(self, plan, name, shape, seq, tokens, deadline):
         self.plan, self.shape, self.seq, self.tokens, self.deadline = plan, shape, seq, tokens, deadline
@@ -124,9 +124,33 @@ class _Plan:
         self.where = f"{name} (plan: {self.gpus} GPUs, dp {self.dp} x tp {self.tp}, micro-batch {self.micro})"
         self.params, self.acts = _facts(shape, seq)
         self.per_node, self.budget = CLUSTER["gpus_per_node"], CLUSTER["usable"] * CLUSTER["gpu_memory"]
+        self._measured = None
 
     def got(self, key) -> float:
         return float(self.plan[key])
+
+    @property
+    def measured(self) -> float:
+        """The model states per rank of the plan laid out on the fake group (laid out once; not
+        a functools.cached_property, whose getter would call the check's code from outside the
+        course and read as borrowing to the profile hook)."""
+        if self._measured is None:
+            held, tp_group = _layout_bytes(self.shape, self.dp, self.tp)
+            assert len({rank // self.per_node for rank in tp_group}) == 1, tp_group  # the check's own layout
+            self._measured = 4 * held  # gradients and Adam's two moments have the fp32 parameters' shards
+        return self._measured
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """What a right answer may say: between the layout's states and the ZeRO-3 formula's (every
+        parameter split over all GPUs), give or take a byte (padding, replicated norms)."""
+        even = STATE_BYTES * self.params / self.gpus
+        return min(self.measured, even) - 1, max(self.measured, even) + 1
+
+    @property
+    def slack(self) -> float:
+        low, high = self.bounds
+        return (high - low) / self.measured
 
     def states_off_by(self, factor) -> bool:
         """Whether the plan's states are ``factor`` x the layout's, within the layout's slack."""
@@ -204,17 +228,12 @@ STATE_SLIPS = (
 
 def _check_states(p: _Plan) -> None:
     """The model states per rank against the plan laid out on the fake group."""
-    held, tp_group = _layout_bytes(p.shape, p.dp, p.tp)
-    assert len({rank // p.per_node for rank in tp_group}) == 1, tp_group  # the check's own layout
-    p.measured = 4 * held  # gradients and Adam's two moments have the fp32 parameters' shards
-    even = STATE_BYTES * p.params / p.gpus  # the ZeRO-3 formula: every parameter split over all GPUs
-    low, high = min(p.measured, even) - 1, max(p.measured, even) + 1  # padding, replicated norms
+    low, high = p.bounds
     if not low <= p.got("states_bytes") <= high:
-        p.slack = (high - low) / p.measured
         name_the_first(STATE_SLIPS, p, before=f"{p.where}: ")
         raise CheckFailed(f"{p.where}: states_bytes = {p.got('states_bytes') / 1e9:.3f} GB per rank, but the plan "
                           f"laid out on the fake group holds {p.measured / 1e9:.3f} GB (the formula gives "
-                          f"{even / 1e9:.3f} GB) (Hint 2).")
+                          f"{STATE_BYTES * p.params / p.gpus / 1e9:.3f} GB) (Hint 2).")
 
 
 def _activation_slip(name, value, what) -> Mistake:

@@ -402,7 +402,8 @@ def check_fsdp2_checkpoint(saved, resumed, checkpoint) -> None:
     if save_at is None:
         raise CheckFailed("the saved job reached no save: run the worker with --save-at (the cell above does).")
     if not saved.ok:
-        rank, code, error = saved.failure.rank, saved.failure.code, saved.failure.error
+        failure = saved.failure
+        rank, code, error = failure.rank, failure.code, failure.error
         failed = f"the job trained, but rank {rank} failed afterwards, while saving (exit code {code}): {error}."
         name_the_first((SAVED_ON_SOME_RANKS,), error, before=failed)
         raise CheckFailed(failed + " The cell above shows its traceback.")
