@@ -21,7 +21,7 @@ from pathlib import Path
 
 import nbformat
 
-from spike_course.exercises import BEGIN, END, make_exercise
+from spike_course.course.exercises import BEGIN, END, make_exercise
 
 ROOT = Path(__file__).resolve().parents[1]
 REGION = re.compile(rf"^[ \t]*{re.escape(BEGIN)}\n(.*?)^[ \t]*{re.escape(END)}", re.S | re.M)

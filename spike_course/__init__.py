@@ -18,7 +18,7 @@ _FROM_LAUNCH = ("launch", "LaunchError", "LaunchResult")
 def __getattr__(name):
     # PEP 562: ``spike_course.launch`` works without importing the launcher up front.
     if name in _FROM_LAUNCH:
-        return getattr(importlib.import_module(".launcher", __name__), name)
+        return getattr(importlib.import_module(".lab.launcher", __name__), name)
     if name in ("notebook", "runtime"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'spike_course' has no attribute {name!r}")

@@ -144,7 +144,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_exercises(args) -> int:
-    from . import exercises
+    from .course import exercises
 
     root = course_root()
     solutions, target = root / "solutions", root / "exercises"
@@ -172,7 +172,7 @@ def cmd_exercises(args) -> int:
 def cmd_run(args) -> int:
     import nbformat
 
-    from .headless import run_notebook
+    from .lab.headless import run_notebook
 
     path = Path(args.notebook)
     if not path.is_file():
@@ -192,7 +192,7 @@ def cmd_run(args) -> int:
 def cmd_grade(args) -> int:
     import nbformat
 
-    from .grading import check_name, grade
+    from .course.grading import check_name, grade
 
     failed = 0
     for name in args.notebooks:
@@ -214,7 +214,7 @@ def cmd_grade(args) -> int:
 
 
 def cmd_html(args) -> int:
-    from .edition import build_site
+    from .course.edition import build_site
 
     root = course_root()
     # The executed notebooks' cache stays with the course, wherever the site goes.
@@ -223,7 +223,7 @@ def cmd_html(args) -> int:
 
 
 def cmd_run_times(args) -> int:
-    from . import run_times
+    from .course import run_times
 
     root = course_root()
     readme, data = root / "README.md", run_times.load(root / run_times.FILE)
@@ -239,7 +239,7 @@ def cmd_run_times(args) -> int:
 
 
 def cmd_workers(args) -> int:
-    from .workers import export, unanswered
+    from .course.workers import export, unanswered
 
     out, root = Path(args.out).resolve(), course_root()
     if not (root / "notebooks").is_dir() and not args.sources:

@@ -57,7 +57,7 @@ def placement_env(placement: str) -> dict:
 def execute(path, timeout: int = 600, placement: str = "cpu") -> dict:
     """Run one notebook in its own folder, on past failing cells; return seconds, every
     failing cell and what its ranks used (read from their own log lines)."""
-    from .headless import failing_cells, run_notebook
+    from .lab.headless import failing_cells, run_notebook
     from .protocol import PLACEMENT_LOG_ENV, read_lines
 
     path = Path(path)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 def setup(stem: str, seed: int = 0, quiet: bool = False) -> Path:
     """Prepare chapter ``stem`` (e.g. "03_data_parallel") and return its workers folder."""
-    from .launcher import prestart_warm_server
+    from .lab.launcher import prestart_warm_server
     from .runtime import seed_everything
 
     prestart_warm_server()

@@ -8,7 +8,7 @@ import psutil
 import pytest
 import torch  # noqa: F401  imported here, not inside a test: its first import runs ldconfig
 
-from spike_course import warm
+from spike_course.lab import warm
 
 os.environ.setdefault("SPIKE_COURSE_DATA", "synthetic")
 
@@ -31,7 +31,7 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     """With SPIKE_COURSE_RECORD_RUN_TIMES=1, a whole run (every test path, nothing deselected)
     that passed records its time in notebooks/run_times.json: the README states it."""
-    from spike_course import run_times
+    from spike_course.course import run_times
 
     config = session.config
     whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from spike_course.launcher import free_port, stop_process_tree
+from spike_course.lab.launcher import free_port, stop_process_tree
 
 import course_files
 

@@ -130,7 +130,7 @@ def _half_converted_capstone(path):
     evaluation not yet (the whole test set on every rank, nothing added up)."""
     import nbformat
 
-    from spike_course import exercises, workers
+    from spike_course.course import exercises, workers
 
     solution = course_files.notebook(ROOT / "solutions" / f"{CAPSTONE}.ipynb")
     script = workers.worker_cells(solution)[f"{CAPSTONE}/train.py"]

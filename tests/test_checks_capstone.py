@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from spike_course import exercises, workers
-from spike_course.checks import CheckFailed, capstone, check_capstone_job, check_capstone_submit
+from spike_course.course import exercises, workers
+from spike_course.checks import CheckFailed, ch15_capstone as capstone, check_capstone_job, check_capstone_submit
 from spike_course.runai import submit_command, torchrun_command
 
 from named import mistake_of, names
@@ -45,7 +45,7 @@ def test_the_solution_imports_nothing_from_the_course_and_keeps_the_model():
     # That the check passes the solution is shown by the solution notebook's own check cell
     # (nbval runs it) and by the correct variants below.
     assert "spike_course" not in SOLUTION
-    assert f"class {capstone.capstone_run.MODEL_CLASS}(nn.Module)" in SINGLE
+    assert f"class {capstone.two_node_job.MODEL_CLASS}(nn.Module)" in SINGLE
     assert SINGLE[SINGLE.index("class "):SINGLE.index("def datasets")] in SOLUTION  # the replay's model
 
 
@@ -240,7 +240,7 @@ def test_mistakes_planted_together_are_each_named_and_nothing_else(tmp_path, gro
 @pytest.mark.processes
 def test_a_hanging_rank_is_stopped_with_a_clear_message(tmp_path, monkeypatch, no_orphans):
     # Rank 1 never reaches DDP's first broadcast (as if stuck elsewhere); rank 0 waits in it.
-    monkeypatch.setattr(capstone.capstone_run, "LAUNCH_TIMEOUT", 12)
+    monkeypatch.setattr(capstone.two_node_job, "LAUNCH_TIMEOUT", 12)
     script = plant(tmp_path, ("    ddp_model = DDP(", "    if rank == 1:\n        __import__('time').sleep(600)\n    ddp_model = DDP("))
     with names("a rank waits for ever", says="more than 12 s"):
         check_capstone_job(script, tmp_path)

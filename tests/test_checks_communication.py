@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from spike_course import costmodel, exercises
+from spike_course import costmodel
+from spike_course.course import exercises
 from spike_course.checks import CheckFailed, check_dgx_prediction
 from spike_course.checks import _guard
-from spike_course.checks import communication as check
+from spike_course.checks import ch08_communication as check
 from named import mistake_of, names
 
 import course_files

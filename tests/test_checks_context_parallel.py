@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import spike_course
-from spike_course import exercises, workers
-from spike_course.checks import CheckFailed, check_ring_attention, context_parallel
+from spike_course.course import exercises, workers
+from spike_course.checks import CheckFailed, check_ring_attention, ch12_context_parallel as context_parallel
 from named import mistake_of, names
 from planting import planted, written_file
 

@@ -11,9 +11,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 import spike_course
 from spike_course import checks, data, models
-from spike_course.checks import CheckFailed, data_parallel
+from spike_course.checks import CheckFailed, ch03_data_parallel as data_parallel
 from named import mistake_of, names
-from spike_course.launcher import LaunchResult
+from spike_course.lab.launcher import LaunchResult
 from planting import one_launch_for_all, planted, written_file
 
 import course_files

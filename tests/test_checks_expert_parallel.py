@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import spike_course
-from spike_course import exercises, workers
-from spike_course.checks import CheckFailed, check_moe_layer, expert_parallel
+from spike_course.course import exercises, workers
+from spike_course.checks import CheckFailed, check_moe_layer, ch12_expert_parallel as expert_parallel
 from named import names
 from planting import planted, written_file
 

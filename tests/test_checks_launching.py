@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from spike_course import launch
-from spike_course.checks import CheckFailed, check_resharded_resume, launching
+from spike_course.checks import CheckFailed, check_resharded_resume, ch07_launching as launching
 from named import mistake_of, names
-from spike_course.launcher import LaunchError
+from spike_course.lab.launcher import LaunchError
 
 import course_files
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spike_course import costmodel, launch, widgets, workers
-from spike_course.checks import CheckFailed, check_fits_budget, check_peak_prediction, memory
+from spike_course import costmodel, launch, widgets
+from spike_course.course import workers
+from spike_course.checks import CheckFailed, check_fits_budget, check_peak_prediction, ch11_memory as memory
 from named import mistake_of, names
 from planting import answer_function
 from spike_course.models import TinyTransformer
@@ -296,7 +297,7 @@ def test_calling_the_whole_memory_plan_is_not_an_answer():
 def test_each_slip_of_exercise_2_is_told_apart_on_the_checks_jobs():
     """A slip is judged on the first job where it changes the total; there, no other slip may
     give the same total, or the check would name the wrong one."""
-    from spike_course.checks.memory import PEAK_JOBS, PEAK_SLIP_CHANGES, _Peak
+    from spike_course.checks.ch11_memory import PEAK_JOBS, PEAK_SLIP_CHANGES, _Peak
     from spike_course.costmodel import memory_plan
 
     def expected(job):

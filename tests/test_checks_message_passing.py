@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from spike_course import checks
-from spike_course.checks import message_passing
+from spike_course.checks import ch01_message_passing as message_passing
 from named import names
 from reference_collectives import naive_allreduce, ring_allreduce, tree_allreduce
 

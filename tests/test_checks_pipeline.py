@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from spike_course import checks
-from spike_course.checks import pipeline
+from spike_course.checks import ch04_pipeline as pipeline
 from spike_course.models import Net, split_net
 from named import mistake_of, names
 
@@ -192,7 +192,8 @@ def test_gradients_from_a_whole_local_model_are_not_a_pipeline(worker, tmp_path)
     """The gradients are right (each rank computed them from the whole model and the whole
     batch, read from the file) and the step wrote a schedule by hand: only the schedule the
     worker recorded shows that nothing was pipelined."""
-    from spike_course import launch, workers
+    from spike_course import launch
+    from spike_course.course import workers
 
     root = Path(__file__).resolve().parents[1]
     notebook = course_files.notebook(root / "solutions" / "04_pipeline_parallel.ipynb")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import spike_course
-from spike_course import workers
-from spike_course.checks import CheckFailed, check_pipeline_training, pipeline_training
+from spike_course.course import workers
+from spike_course.checks import CheckFailed, check_pipeline_training, ch04_pipeline_training as pipeline_training
 from named import mistake_of, names
 from spike_course.data import load_mnist
 

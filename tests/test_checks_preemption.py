@@ -19,9 +19,10 @@ import pytest
 import torch
 
 import spike_course
-from spike_course import exercises, workers
-from spike_course.checks import CheckFailed, check_preemption_safe, preemption, preemption_probe
-from spike_course.launcher import LaunchResult
+from spike_course.course import exercises, workers
+from spike_course.checks import CheckFailed, check_preemption_safe, ch14_preemption as preemption
+from spike_course.lab import preemption_probe
+from spike_course.lab.launcher import LaunchResult
 from spike_course.checks._common import name_the_first
 from named import names
 from planting import planted, written_file

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spike_course.checks import CheckFailed, check_hang_diagnosis, check_straggler, profiling
+from spike_course.checks import CheckFailed, check_hang_diagnosis, check_straggler, ch10_profiling as profiling
 from named import names
 
 import course_files
@@ -75,7 +75,7 @@ def test_a_malformed_straggler_answer_is_named():
 
 
 def test_an_answer_hard_coded_for_the_small_traces_fails_on_other_ones():
-    from spike_course.checks.profiling import synthetic_traces
+    from spike_course.checks.ch10_profiling import synthetic_traces
 
     solution = plant("find_straggler")
     other = synthetic_traces()
@@ -116,9 +116,9 @@ def test_a_malformed_answer_is_named():
 
 
 def test_the_checks_own_reference_is_not_an_answer():
-    from spike_course.checks import profiling as reference
+    from spike_course.checks import ch10_profiling as reference
 
-    def find_straggler(traces):  # what `from spike_course.checks.profiling import _lateness` gives
+    def find_straggler(traces):  # what `from spike_course.checks.ch10_profiling import _lateness` gives
         late = reference._lateness(traces)
         return {"rank": max(late, key=late.get), "late_ms": late}
 

@@ -9,7 +9,7 @@ from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from spike_course import checks
-from spike_course.checks import CheckFailed, sampling
+from spike_course.checks import CheckFailed, ch02_sampling as sampling
 from named import mistake_of, names
 
 

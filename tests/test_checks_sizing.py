@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from spike_course import costmodel, exercises
-from spike_course.checks import CheckFailed, check_job_plan, sizing
+from spike_course import costmodel
+from spike_course.course import exercises
+from spike_course.checks import CheckFailed, check_job_plan, ch13_sizing as sizing
 from named import mistake_of, names
 from planting import answer_function
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import spike_course
-from spike_course import exercises, workers
-from spike_course.checks import CheckFailed, check_vocab_parallel_embedding, tensor_parallel
+from spike_course.course import exercises, workers
+from spike_course.checks import CheckFailed, check_vocab_parallel_embedding, ch05_tensor_parallel as tensor_parallel
 from named import names
 
 import course_files

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import spike_course
-from spike_course import workers
-from spike_course.checks import CheckFailed, check_tp_plan, tensor_parallel
+from spike_course.course import workers
+from spike_course.checks import CheckFailed, check_tp_plan, ch05_tensor_parallel as tensor_parallel
 from named import names
 
 import course_files

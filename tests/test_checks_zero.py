@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from spike_course.checks import check_zero1, zero
+from spike_course.checks import check_zero1, ch06_zero as zero
 from named import mistake_of, names
 
 import course_files
@@ -67,7 +67,8 @@ def test_the_worker_with_its_gradient_wiped_or_a_decoy_optimizer_is_named(worker
     """The mistakes planted in copies of the solution's worker and launched for real."""
     from pathlib import Path
 
-    from spike_course import launch, workers
+    from spike_course import launch
+    from spike_course.course import workers
 
     root = Path(__file__).resolve().parents[1]
     notebook = course_files.notebook(root / "solutions" / "06_fully_sharded_data_parallel.ipynb")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from spike_course import launch, workers
+from spike_course import launch
+from spike_course.course import workers
 from spike_course.cluster_image import import_blocker
 from spike_course.protocol import COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV
 
@@ -23,7 +24,8 @@ import course_files
 pytestmark = pytest.mark.processes  # most tests here start ranks, torchrun or kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK_SIDE = ("spike_course.launcher", "spike_course.progress", "spike_course.widgets",
+# The notebook's process code, the course's tools and the checks are packages of their own.
+NOTEBOOK_SIDE = ("spike_course.lab", "spike_course.course", "spike_course.checks", "spike_course.widgets",
                  "psutil", "ipywidgets", "matplotlib")
 BLOCKER = import_blocker(NOTEBOOK_SIDE, "is notebook-side: a worker must not import it")
 
@@ -69,10 +71,10 @@ def test_the_blocker_catches_a_notebook_import(cluster):
     """Proof that the test above would fail: a worker that imports the launcher does."""
     folder, env = cluster
     script = folder / "imports_launcher.py"
-    script.write_text("from spike_course import runtime\nfrom spike_course.launcher import free_port\n")
+    script.write_text("from spike_course import runtime\nfrom spike_course.lab.launcher import free_port\n")
     done = torchrun(folder, env, script, timeout=120)
     assert done.returncode != 0
-    assert "spike_course.launcher is notebook-side" in done.stdout + done.stderr
+    assert "spike_course.lab is notebook-side" in done.stdout + done.stderr
 
 
 TIMEOUT_PROBE = """

@@ -28,7 +28,8 @@ def test_without_mnist_the_source_says_where_it_goes(tmp_path, monkeypatch):
 def test_the_fallback_is_said_once_per_kernel_and_not_again_by_its_ranks(tmp_path, monkeypatch, capsys):
     """Chapter 00 loads the digits twice in the kernel, then launches a worker that loads them
     too: the learner reads the notice once."""
-    from spike_course import launcher, protocol, warm
+    from spike_course.lab import launcher, warm
+    from spike_course import protocol
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("SPIKE_COURSE_DATA", raising=False)

@@ -11,7 +11,7 @@ import ast
 
 import pytest
 
-from spike_course import workers
+from spike_course.course import workers
 from tests.test_cluster_workers import ROOT
 
 FACTORIES = {"ones", "zeros", "tensor", "full", "empty", "randn", "rand", "arange", "as_tensor",

@@ -11,7 +11,7 @@ from unittest import mock
 import nbformat
 import pytest
 
-from spike_course import edition, run_times
+from spike_course.course import edition, run_times
 
 pytestmark = pytest.mark.processes  # most tests here start ranks, torchrun or kernels
 
@@ -184,7 +184,7 @@ def test_the_kernels_of_a_build_listen_on_private_sockets():
     on sockets in a private folder instead."""
     from nbclient import NotebookClient
 
-    from spike_course.headless import private_kernels
+    from spike_course.lab.headless import private_kernels
 
     with private_kernels():
         kernels = [NotebookClient(nbformat.v4.new_notebook(), kernel_name="python3").create_kernel_manager()

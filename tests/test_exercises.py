@@ -6,7 +6,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from spike_course import exercises, grading
+from spike_course.course import exercises, grading
 
 import course_files
 
@@ -256,7 +256,7 @@ def test_grade_needs_the_solutions_to_take_the_checks_from(tmp_path):
 
 @pytest.mark.processes
 def test_a_failed_check_shows_its_message_alone_in_the_notebook(tmp_path):
-    from spike_course.headless import run_notebook
+    from spike_course.lab.headless import run_notebook
 
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
         "from spike_course.checks import check_capstone_submit\n"
@@ -296,7 +296,7 @@ def test_a_crash_in_the_learners_code_is_named_by_the_check():
     """What a launch with check=False hands the check when rank 1 crashed in the learner's code
     (rank 0 only echoes it): the check names rank 1 and its error, not a KeyError of its own."""
     from spike_course import checks
-    from spike_course.launcher import LaunchResult
+    from spike_course.lab.launcher import LaunchResult
 
     job = LaunchResult(reports={0: {}}, nproc=2, seconds=3.0, returncodes={0: 1, 1: 1}, exit_order=[0, 1],
                        output={0: ["RuntimeError: Connection closed by peer [127.0.0.1]:4242"],

@@ -7,7 +7,7 @@ from unittest import mock
 import nbformat
 import pytest
 
-from spike_course.headless import run_notebook
+from spike_course.lab.headless import run_notebook
 
 pytestmark = pytest.mark.processes  # starts a kernel
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from spike_course import exercises, grading
+from spike_course.course import exercises, grading
 
 import course_files
 
@@ -75,7 +75,7 @@ def test_code_changed_around_an_answer_is_named():
 # Each way an answer could reach past itself, by the name grading gives it: the attacks of
 # issue 40's audit (and of the one before), then ones of our own.
 ATTACKS = [
-    ("    from spike_course.checks.profiling import _lateness\n    return 42", "BorrowedAnswer"),
+    ("    from spike_course.checks.ch10_profiling import _lateness\n    return 42", "BorrowedAnswer"),
     ("    from spike_course import checks\n    return 42", "BorrowedAnswer"),
     ("    import json\n    return len(json.load(open('../solutions/99_probe.ipynb'))) * 0 + 42", "BorrowedAnswer"),
     ("    import json\n    return len(json.load(open('../solu' + 'tions/99_probe.ipynb'))) * 0 + 42", "BorrowedAnswer"),
@@ -96,7 +96,7 @@ ATTACKS = [
     # the one shape every check judges by, and a check's table of mistakes
     ("    from spike_course.mistakes import Mistake\n    Mistake.seen = property(lambda m: lambda *a: False)\n"
      "    return 41", "ModulePatched"),
-    ("    from spike_course.checks import zero\n    zero.NOT_DDP_MISTAKES = ()\n    return 41", "ModulePatched"),
+    ("    from spike_course.checks import ch06_zero\n    ch06_zero.NOT_DDP_MISTAKES = ()\n    return 41", "ModulePatched"),
 ]
 
 

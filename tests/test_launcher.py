@@ -55,7 +55,7 @@ def test_results_come_back_from_every_rank(worker, no_orphans, launcher):
 
 
 def test_a_torchrun_failure_that_names_no_rank_is_reported():
-    from spike_course.launcher import LaunchResult, _failure
+    from spike_course.lab.launcher import LaunchResult, _failure
 
     result = LaunchResult(nproc=2, returncodes={0: None, 1: None}, agent_returncode=1,
                           agent_output=["RendezvousTimeoutError: the rendezvous did not complete"])
@@ -204,7 +204,7 @@ def test_unknown_backend_is_a_clear_error(worker):
 
 def test_progress_reaches_the_parent(worker, monkeypatch):
     """Workers' progress reports are read while they run (widgets show them in JupyterLab)."""
-    from spike_course import progress
+    from spike_course.lab import progress
 
     seen = []
     original = progress.read_progress
@@ -373,7 +373,7 @@ def test_output_reaches_the_cell_while_the_rank_runs(worker, tmp_path, monkeypat
 
 
 def test_launches_share_one_warm_server(worker, no_orphans):
-    from spike_course import warm
+    from spike_course.lab import warm
 
     script = worker(HELLO)
     launch(script, nproc=2, echo=False)
@@ -395,7 +395,7 @@ def test_a_server_that_runs_a_thread_refuses_to_fork_and_the_launch_starts_fresh
     import os
     import signal
 
-    from spike_course import warm
+    from spike_course.lab import warm
 
     site = tmp_path / "site"
     site.mkdir()
@@ -422,7 +422,7 @@ def test_fork_hazards_name_threads_and_cuda():
 
     program = """
 import sys, threading, time, types
-from spike_course.warm_server import fork_hazards
+from spike_course.lab.warm_server import fork_hazards
 
 print(fork_hazards())
 threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
@@ -437,7 +437,7 @@ print(fork_hazards())
 
 
 def test_where_fork_is_unsafe_the_launch_starts_fresh_and_says_why(worker, monkeypatch, capsys):
-    from spike_course import warm
+    from spike_course.lab import warm
 
     monkeypatch.setattr(warm.sys, "platform", "darwin")
     result = launch(worker(HELLO), nproc=2)
@@ -449,7 +449,7 @@ def test_a_server_that_died_is_replaced_at_the_next_launch(worker, no_orphans):
     import os
     import signal
 
-    from spike_course import warm
+    from spike_course.lab import warm
 
     script = worker(HELLO)
     launch(script, nproc=2, echo=False)
@@ -465,7 +465,7 @@ def test_the_launch_cell_and_the_check_name_the_same_failed_rank():
     """One reading of a failure (LaunchResult.failure): rank 0 ended first, but its error only
     echoes rank 1's lost connection; the launch's message and the check both name rank 1."""
     from spike_course.checks import CheckFailed, launch_reports
-    from spike_course.launcher import LaunchResult, _failure
+    from spike_course.lab.launcher import LaunchResult, _failure
 
     result = LaunchResult(nproc=2, returncodes={0: 1, 1: 1}, exit_order=[0, 1], output={
         0: ["RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"],

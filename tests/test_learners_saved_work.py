@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from spike_course import exercises
+from spike_course.course import exercises
 
 import course_files
 

@@ -120,7 +120,7 @@ def test_a_slurm_script_is_refused_with_what_to_do_instead():
 def test_every_run_line_of_the_exported_workers_readme_reads_clean(tmp_path):
     from pathlib import Path
 
-    from spike_course import workers
+    from spike_course.course import workers
 
     import re
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from spike_course import exercises
+from spike_course.course import exercises
 
 import course_files
 

@@ -1,9 +1,9 @@
-"""The run times the README states are those the builds measured (spike_course.run_times):
+"""The run times the README states are those the builds measured (spike_course.course.run_times):
 each between <!-- run-times: KEY --> markers, written from notebooks/run_times.json."""
 
 import json
 
-from spike_course import run_times
+from spike_course.course import run_times
 
 import course_files
 

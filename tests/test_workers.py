@@ -4,7 +4,7 @@ from pathlib import Path
 
 import nbformat
 
-from spike_course import exercises
+from spike_course.course import exercises
 from spike_course.cli import main
 
 import course_files
@@ -43,14 +43,14 @@ def test_a_missing_source_is_named(tmp_path, capsys):
 
 
 def exported(tmp_path):
-    from spike_course import workers
+    from spike_course.course import workers
 
     written = workers.export(ROOT, tmp_path)
     return {p.relative_to(tmp_path).as_posix(): p.read_text() for p in written}, (tmp_path / "README.md").read_text()
 
 
 def test_the_readme_gives_each_worker_its_own_run_line_and_marks_the_failures(tmp_path):
-    from spike_course import workers
+    from spike_course.course import workers
 
     sources, readme = exported(tmp_path)
     runs = [line.strip() for line in readme.splitlines() if line.startswith("    torchrun ")]

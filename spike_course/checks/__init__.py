@@ -13,23 +13,23 @@ from __future__ import annotations
 # ruff: noqa: F401
 
 from ._common import CheckFailed, close, launch_reports, passed
-from .communication import check_dgx_prediction
-from .data_parallel import check_distributed_accuracy, check_flat_allreduce
-from .federated import check_fedavg
-from .launching import check_resharded_resume
-from .message_passing import check_tree_allreduce, check_exchange
-from .pipeline import check_gpipe_schedule, check_pipeline_gradients
-from .pipeline_training import check_pipeline_training
-from .sampling import check_sampler
-from .tensor_parallel import check_tp_plan, check_vocab_parallel_embedding
-from .zero import check_fsdp2_checkpoint, check_zero1
-from .capstone import check_capstone_job, check_capstone_submit
-from .profiling import check_hang_diagnosis, check_straggler
-from .memory import check_fits_budget, check_peak_prediction
-from .context_parallel import check_ring_attention
-from .expert_parallel import check_moe_layer
-from .sizing import check_job_plan
-from .preemption import check_preemption_safe
+from .ch08_communication import check_dgx_prediction
+from .ch03_data_parallel import check_distributed_accuracy, check_flat_allreduce
+from .ch09_federated import check_fedavg
+from .ch07_launching import check_resharded_resume
+from .ch01_message_passing import check_tree_allreduce, check_exchange
+from .ch04_pipeline import check_gpipe_schedule, check_pipeline_gradients
+from .ch04_pipeline_training import check_pipeline_training
+from .ch02_sampling import check_sampler
+from .ch05_tensor_parallel import check_tp_plan, check_vocab_parallel_embedding
+from .ch06_zero import check_fsdp2_checkpoint, check_zero1
+from .ch15_capstone import check_capstone_job, check_capstone_submit
+from .ch10_profiling import check_hang_diagnosis, check_straggler
+from .ch11_memory import check_fits_budget, check_peak_prediction
+from .ch12_context_parallel import check_ring_attention
+from .ch12_expert_parallel import check_moe_layer
+from .ch13_sizing import check_job_plan
+from .ch14_preemption import check_preemption_safe
 
 # Guarded against code in the notebook (see _guard): each check verifies that nothing it
 # relies on was replaced since this import, and this package refuses new values.

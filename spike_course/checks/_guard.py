@@ -9,7 +9,7 @@ class and table (tuple) of the course's modules, what the classes the checks jud
 verifies the record before it starts and before it prints "check passed", and fails with
 ``Tampering`` naming what was replaced. The ``checks`` package itself refuses new values
 (:class:`SealedModule`), so the first attack fails where it is written. (``spike-course
-grade`` refuses all of these before anything runs: ``spike_course.answer_scan``.)
+grade`` refuses all of these before anything runs: ``spike_course.course.answer_scan``.)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ _KINDS = (types.FunctionType, types.BuiltinFunctionType, type, tuple)
 # The modules whose classes the checks judge with: the verdict's shape, the launch result they
 # read, their own readings. (Not the launcher's machinery, which the tests patch to refuse a
 # process where a test did not say it starts one.)
-_JUDGING = ("spike_course.mistakes", "spike_course.launcher", "spike_course.checks")
+_JUDGING = ("spike_course.mistakes", "spike_course.lab.launcher", "spike_course.checks")
 
 
 class Tampering(CheckFailed):

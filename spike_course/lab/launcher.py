@@ -3,7 +3,7 @@
 Three ways to start the ranks:
 
 * ``launcher="warm"`` (the default) forks every rank from a server process that has
-  imported torch once (``spike_course.warm``): a 2-rank job starts in a fraction of a
+  imported torch once (``spike_course.lab.warm``): a 2-rank job starts in a fraction of a
   second instead of several. Each rank then sees exactly what a fresh one would: RANK,
   WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as torchrun sets them, the rest of the
   environment, thread counts, working directory, ``sys.argv`` and ``__main__``. Where
@@ -41,7 +41,7 @@ import psutil
 
 from . import warm
 from .progress import ProgressView
-from .protocol import COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV, read_results
+from ..protocol import COLLECTIVE_TIMEOUT_ENV, PARENT_PID_ENV, RESULTS_DIR_ENV, read_results
 
 LAUNCHERS = ("warm", "fresh", "torchrun")
 TAIL_LINES = 25

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from .protocol import read_progress
+from ..protocol import read_progress
 
 
 def _in_jupyter_kernel() -> bool:

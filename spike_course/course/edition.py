@@ -25,9 +25,9 @@ from pathlib import Path
 from unittest import mock
 
 from . import run_times
-from .headless import private_kernels
-from .notebook import describe_devices
-from .widget_pages import show_widgets_drawn
+from ..lab.headless import private_kernels
+from ..notebook import describe_devices
+from ..widget_pages import show_widgets_drawn
 
 CONF = {
     "project": "spike-course",

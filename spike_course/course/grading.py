@@ -36,7 +36,7 @@ def execute_cells(path, timeout: int = 600, notebook=None) -> list[dict]:
     ``notebook`` runs in place of the file's content, in the file's folder. CI runs the
     blank exercises through this; ``spike-course grade`` runs a learner's.
     """
-    from .headless import run_notebook
+    from ..lab.headless import run_notebook
 
     notebook = run_notebook(path, timeout, allow_errors=True, notebook=notebook).notebook
     cells = []

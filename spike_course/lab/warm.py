@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from .protocol import DATA_FALLBACK_SAID_ENV
+from ..protocol import DATA_FALLBACK_SAID_ENV
 from .warm_server import SERVER_THREAD_ENV, receive, send
 
 READY_TIMEOUT = 300  # seconds for a server to import torch on a loaded 2-core machine
@@ -63,7 +63,7 @@ class WarmServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         server_env = {k: v for k, v in env.items() if k not in NOT_READ_AT_IMPORT}  # OMP_NUM_THREADS too
         self.process = subprocess.Popen(
-            [python, "-u", "-m", "spike_course.warm_server", str(theirs.fileno())],
+            [python, "-u", "-m", "spike_course.lab.warm_server", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env={**server_env, **SERVER_THREAD_ENV},
             stdin=subprocess.DEVNULL, start_new_session=True)
         theirs.close()

@@ -1,5 +1,5 @@
 """Generate ``exercises/`` from ``solutions/``, and tell when the two have drifted
-(grading them is ``spike_course.grading``).
+(grading them is ``spike_course.course.grading``).
 
 In a solution notebook the answer sits between ``### BEGIN SOLUTION`` and
 ``### END SOLUTION`` lines. The exercise notebook is the same notebook with each such

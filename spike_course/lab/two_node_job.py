@@ -67,7 +67,7 @@ def launch(script, folder, args, *, data, max_restarts=0, probe_env=None, watch=
     """Run ``script`` with ``args`` as a job of NODES nodes of ``per_node`` ranks each, in ``folder``.
     ``watch(job)`` is called with what the ranks recorded so far, four times a second while
     the job runs: an exception it raises stops the job and comes out of here."""
-    from ..launcher import free_port, stop_process_tree
+    from .launcher import free_port, stop_process_tree
 
     folder = Path(folder)
     calls = folder / "calls"

@@ -3,7 +3,7 @@ a torchrun job that needs nothing but torch.
 
 :func:`check_capstone_job` runs the learner's file as a cluster would: under bare torchrun,
 as two nodes of one rank each (so RANK and LOCAL_RANK differ on the second), in a Python
-where ``spike_course`` cannot be imported (``capstone_run``). Rank 1 is crashed once in the
+where ``spike_course`` cannot be imported (``spike_course.lab.two_node_job``). Rank 1 is crashed once in the
 second epoch and torchrun restarts the job, which must resume. The ranks record what they
 did (``capstone_probe``), and the check judges that behaviour step by step, in the order a
 conversion is done, stopping at the first thing that is wrong:
@@ -37,12 +37,12 @@ import shlex
 from collections import Counter
 from pathlib import Path
 
-from . import capstone_run
+from ..lab import two_node_job
 from ._common import CheckFailed, Mistake, name_the_first, passed
 
 # The job the check runs: small enough for seconds on 2 CPU cores. TEST_SAMPLES is odd: a
 # DistributedSampler pads 201 samples to 2 x 101, so padded shards count a sample twice.
-TRAIN_SAMPLES, TEST_SAMPLES, WORLD = 256, 201, capstone_run.NODES
+TRAIN_SAMPLES, TEST_SAMPLES, WORLD = 256, 201, two_node_job.NODES
 GLOBAL_BATCH, MICRO_BATCH, EPOCHS = 32, 8, 2
 STEPS_PER_EPOCH = TRAIN_SAMPLES // GLOBAL_BATCH
 LR, WEIGHT_DECAY, WARMUP_STEPS, CLIP, SEED = 2e-3, 0.05, 4, 1.0, 0
@@ -193,7 +193,7 @@ def _judge_table(mistakes, job, *readings):
 
 
 def _preflight(source):
-    from ..exercises import STUB  # here, not at the top: it imports nbformat, which notebooks need not load
+    from ..course.exercises import STUB  # here, not at the top: it imports nbformat, which notebooks need not load
     stubs = [n for n, line in enumerate(source.splitlines(), 1) if line.strip() == STUB]
     if stubs:
         raise CheckFailed(f"line {stubs[0]} still raises NotImplementedError: that is where your job "
@@ -237,7 +237,7 @@ def _joined(job):
 # A job that did not run to its end (readings: the job, its first rank traceback).
 RAN_MISTAKES = (
     Mistake("a rank waits for ever", lambda job, error: job.timed_out,
-            lambda job, error: f"your job ran for more than {capstone_run.LAUNCH_TIMEOUT} s on {TRAIN_SAMPLES} "
+            lambda job, error: f"your job ran for more than {two_node_job.LAUNCH_TIMEOUT} s on {TRAIN_SAMPLES} "
                                "samples and was stopped: a rank most likely waits in a collective (all_reduce, "
                                "barrier) that another rank never reaches, e.g. one inside `if rank == 0:` (hint 2)."),
     Mistake("sampler and shuffle", lambda job, error: "mutually exclusive with shuffle" in error,
@@ -785,7 +785,7 @@ PICKED_BY = {"set_device": "torch.cuda.set_device", "to": "the model's .to", "dd
 def pretend_gpus(script, folder, options, data):
     """Start the job on pretend GPUs: what each rank chooses is recorded, and the ranks leave
     once the model is wrapped in DDP."""
-    return capstone_run.launch(script, folder, options, data=data, per_node=PRETEND_PER_NODE,
+    return two_node_job.launch(script, folder, options, data=data, per_node=PRETEND_PER_NODE,
                                probe_env={"CAPSTONE_FAKE_GPUS": str(PRETEND_GPUS)})
 
 
@@ -798,7 +798,7 @@ def _picks(events) -> list[tuple[str, str]]:
 
 
 def _local_ranks(job) -> dict[int, int]:
-    ranks = range(capstone_run.NODES * job.per_node)
+    ranks = range(two_node_job.NODES * job.per_node)
     return {r: job.of(r, 0)[0]["local_rank"] if job.of(r, 0) else r % job.per_node for r in ranks}
 
 
@@ -983,7 +983,7 @@ def _judged(script, folder, judge, first_attempt_only=False):
                 raise _FirstAttemptJudged
 
     try:
-        job = capstone_run.launch(script, folder, options, data=data, max_restarts=1,
+        job = two_node_job.launch(script, folder, options, data=data, max_restarts=1,
                                   watch=None if judge.collect and not first_attempt_only else watch,
                                   probe_env={"CAPSTONE_CRASH": f"{CRASH_RANK}:{CRASH_AFTER}",
                                              "CAPSTONE_SAVE_DELAY": str(SAVE_DELAY)})

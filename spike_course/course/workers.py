@@ -137,7 +137,7 @@ def node_readme(out: Path, written: list[Path]) -> str:
 
 def _two_nodes_line() -> str:
     """Chapter 03's training on two DGX nodes, as the cluster runs it (a test rehearses it)."""
-    from . import runai
+    from .. import runai
 
     return runai.submit_command(
         "ddp-two-nodes", "registry.example.org/team/image:tag", "my-project",

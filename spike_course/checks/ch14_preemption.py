@@ -23,7 +23,7 @@ from ._common import CheckFailed, Mistake, name_the_first, passed
 
 GRACE = 3.0  # seconds between SIGTERM and SIGKILL: a step and a save of this job take milliseconds
 PLANTED = "step_999999"  # the half-written folder the check leaves, as a SIGKILL mid-save would
-PROBE = Path(__file__).with_name("preemption_probe.py")
+PROBE = Path(__file__).parents[1] / "lab" / "preemption_probe.py"
 
 
 def _async_saves(saves):
