@@ -21,10 +21,10 @@ from pathlib import Path
 
 import nbformat
 
-from spike_course.course.exercises import BEGIN, END, make_exercise
+from spike_course.course.conventions import regions
+from spike_course.course.exercises import make_exercise
 
 ROOT = Path(__file__).resolve().parents[1]
-REGION = re.compile(rf"^[ \t]*{re.escape(BEGIN)}\n(.*?)^[ \t]*{re.escape(END)}", re.S | re.M)
 TRIVIAL = re.compile(r"^(#.*|[\])}]+,?|pass|return|else:|try:|finally:|\"\"\".*)?$")
 
 
@@ -66,7 +66,7 @@ def overlap(path: Path) -> list[tuple[int, int, float, float]]:
     exact, renamed = set(on_page), {names(line) for line in on_page}
     rows = []
     for index, cell in enumerate(solution.cells):
-        for region in REGION.findall(cell.source) if cell.cell_type == "code" else ():
+        for region in (regions(cell.source) if cell.cell_type == "code" else ()):
             answer = lines_of(region)
             if answer:
                 rows.append((index, len(answer), sum(line in exact for line in answer) / len(answer),

@@ -13,6 +13,7 @@ import re
 import pytest
 
 from spike_course.checks import CheckFailed
+from spike_course.course import conventions
 
 import course_files
 
@@ -22,7 +23,7 @@ import course_files
 QUOTABLE = 30
 SOLUTION_LINES = {line.strip() for path in sorted((course_files.ROOT / "solutions").glob("*.ipynb"))
                   for cell in course_files.notebook(path).cells if cell.cell_type == "code"
-                  for region in re.findall(r"### BEGIN SOLUTION.*?\n(.*?)### END SOLUTION", cell.source, re.S)
+                  for region in conventions.regions(cell.source)
                   for line in region.splitlines() if len(line.strip()) >= QUOTABLE
                   and not line.strip().startswith(("#", '"""', "'''"))}
 

@@ -1,18 +1,21 @@
-"""Planting a mistake in a copy of a solution: the file a solution notebook's ``%%writefile``
-cell writes, with its solution markers kept, and that file with lines of its solution
-region changed."""
+"""Planting a mistake in a copy of a solution (the file a solution notebook's ``%%writefile``
+cell writes, ``conventions.written_file``): lines of its solution region changed, a region
+replaced, every variant of a function in one launch."""
 
 import re
 import textwrap
 
-BEGIN = "### BEGIN SOLUTION"
+from spike_course.course.conventions import BEGIN, region_matches
 
 
-def written_file(notebook, relative: str) -> str:
-    """The source of ``workers/<relative>`` as the notebook's %%writefile cell writes it,
-    solution markers included (so that ``exercises.blank_source`` can blank it)."""
-    head = f"%%writefile workers/{relative}"
-    return next(c.source for c in notebook.cells if c.source.startswith(head)).split("\n", 1)[1]
+def replace_region(source: str, number: int, code: str, regions: int | None = None) -> str:
+    """``source`` with its solution region ``number`` (counted from 0, marker lines included)
+    replaced by ``code``; ``regions``: how many the solution has, asserted."""
+    found = region_matches(source)
+    assert regions is None or len(found) == regions, \
+        f"the solution has {len(found)} solution regions, not {regions}: update this test"
+    match = found[number]
+    return source[:match.start()] + code + source[match.end():]
 
 
 def planted(source: str, *changes) -> str:

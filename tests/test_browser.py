@@ -130,7 +130,7 @@ def _half_converted_capstone(path):
     evaluation not yet (the whole test set on every rank, nothing added up)."""
     import nbformat
 
-    from spike_course.course import exercises, workers
+    from spike_course.course import conventions, exercises, workers
 
     solution = course_files.notebook(ROOT / "solutions" / f"{CAPSTONE}.ipynb")
     script = workers.worker_cells(solution)[f"{CAPSTONE}/train.py"]
@@ -141,7 +141,7 @@ def _half_converted_capstone(path):
         assert old in script
         script = script.replace(old, new)
     notebook = exercises.make_exercise(solution)
-    cell = next(c for c in notebook.cells if c.source.startswith(f"%%writefile workers/{CAPSTONE}/train.py"))
+    cell = next(c for c in notebook.cells if conventions.writes(c) == f"workers/{CAPSTONE}/train.py")
     cell.source = f"%%writefile workers/{CAPSTONE}/train.py\n{script}"
     path.parent.mkdir(parents=True)
     nbformat.write(notebook, path)

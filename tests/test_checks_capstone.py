@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from spike_course.course import exercises, workers
+from spike_course.course import conventions, exercises, workers
 from spike_course.checks import CheckFailed, ch15_capstone as capstone, check_capstone_job, check_capstone_submit
 from spike_course.runai import submit_command, torchrun_command
 
@@ -51,9 +51,8 @@ def test_the_solution_imports_nothing_from_the_course_and_keeps_the_model():
 
 def test_the_exercise_starts_as_the_one_gpu_script_and_is_named_before_any_rank_starts(tmp_path):
     blank = exercises.make_exercise(SOLUTION_NOTEBOOK)
-    cell = next(c.source for c in blank.cells if c.source.startswith(f"%%writefile workers/{STEM}/train.py"))
     script = tmp_path / "train.py"
-    script.write_text(cell.split("\n", 1)[1])
+    script.write_text(conventions.written_file(blank, f"workers/{STEM}/train.py"))
     assert SINGLE.strip() in script.read_text()
     with pytest.raises(CheckFailed, match="line 2 still raises NotImplementedError"):
         check_capstone_job(script, tmp_path)

@@ -8,14 +8,13 @@ slips are also tested for two slips with the same results on every job.
 """
 
 import itertools
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from spike_course import costmodel
-from spike_course.course import exercises
+from spike_course.course import conventions
 from spike_course.checks import CheckFailed, check_dgx_prediction
 from spike_course.checks import _guard
 from spike_course.checks import ch08_communication as check
@@ -26,7 +25,7 @@ import course_files
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = course_files.notebook(ROOT / "solutions" / "08_communication_and_hardware.ipynb")
 SOLUTION = "\n".join(cell.source for cell in NOTEBOOK.cells
-                     if cell.cell_type == "code" and exercises.has_solution(cell))
+                     if cell.cell_type == "code" and conventions.has_solution(cell))
 FIT, WORLD = (900e-6, 1 / 0.3e9), 2  # a laptop's gloo all-reduce: 900 us, 0.3 GB/s
 
 

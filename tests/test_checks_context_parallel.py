@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 import spike_course
-from spike_course.course import exercises, workers
+from spike_course.course import conventions, workers
 from spike_course.checks import CheckFailed, check_ring_attention, ch12_context_parallel as context_parallel
 from named import mistake_of, names
-from planting import planted, written_file
+from spike_course.course.conventions import written_file
+from planting import planted
 
 import course_files
 
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEM = "12_context_and_expert_parallel"
 NOTEBOOK = course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb")
 HARNESS = workers.worker_cells(NOTEBOOK)[f"{STEM}/ring_check.py"]
-MERGE = written_file(NOTEBOOK, f"{STEM}/ring_merge.py")
+MERGE = written_file(NOTEBOOK, f"workers/{STEM}/ring_merge.py")
 
 
 MAXIMUM = "torch.maximum(m, scores.amax(dim=-1))"
@@ -80,7 +81,7 @@ def test_the_solution_passes_on_2_and_4_ranks(worker, no_orphans, capsys):
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
     change, message = MISTAKES[mistake]
-    source = exercises.blank_source(MERGE) if change is None else planted(MERGE, change)
+    source = conventions.blank_source(MERGE) if change is None else planted(MERGE, change)
     jobs, merge = run(worker, source)
     with names(None if mistake == "blank" else mistake_of(mistake), says=re.compile(message, re.S)):
         check_ring_attention(jobs, merge)

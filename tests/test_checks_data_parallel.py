@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data.distributed import DistributedSampler
 
 import spike_course
 from spike_course import checks, data, models
 from spike_course.checks import CheckFailed, ch03_data_parallel as data_parallel
 from named import mistake_of, names
 from spike_course.lab.launcher import LaunchResult
-from planting import one_launch_for_all, planted, written_file
+from spike_course.course import conventions
+from spike_course.course.conventions import written_file
+from planting import one_launch_for_all, planted, replace_region
 
 import course_files
 
@@ -107,7 +108,7 @@ def test_a_mistake_in_the_reports_of_exercise_1_is_named(name):
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAT_WORKER = "workers/03_data_parallel/average_by_hand.py"
-BEGIN, END = "    ### BEGIN SOLUTION\n", "    ### END SOLUTION\n"
+BEGIN, END = f"    {conventions.BEGIN}\n", f"    {conventions.END}\n"  # the workers' regions are in a function
 PER_PARAMETER = """\
     for p in model.parameters():  # the lecture's loop: right values, one collective per parameter
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
@@ -125,8 +126,7 @@ REBOUND = """\
 
 def _solution_worker() -> str:
     notebook = course_files.notebook(ROOT / "solutions" / "03_data_parallel.ipynb")
-    cell = next(c.source for c in notebook.cells if c.source.startswith(f"%%writefile {FLAT_WORKER}"))
-    return cell.split("\n", 1)[1]
+    return written_file(notebook, FLAT_WORKER)
 
 
 def _planted(region=None, drop=None) -> str:
@@ -135,8 +135,7 @@ def _planted(region=None, drop=None) -> str:
     if drop is not None:
         assert drop in source
         return source.replace(drop, "")
-    begin, end = source.index(BEGIN), source.index(END)
-    return source[:begin] + region + source[end + len(END):]
+    return replace_region(source, 0, region, regions=1)
 
 
 def _one_process(batch=16, steps=3, lr=0.05, world=2):
@@ -208,7 +207,7 @@ def test_a_blank_or_crashed_worker_is_named():
 
 # --- chapter 03, exercise 2: an evaluation split between the ranks, mistakes planted in the solution ---
 
-EVALUATE = "03_data_parallel/evaluate.py"
+EVALUATE = "workers/03_data_parallel/evaluate.py"
 # 301 samples on 2 ranks: shards of 151 and 150 (+ one repeat), in batches of 100 and 51.
 TEST = 301
 EVALUATE_ARGS = ["--test-samples", TEST]

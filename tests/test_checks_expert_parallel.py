@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 import spike_course
-from spike_course.course import exercises, workers
+from spike_course.course import conventions, workers
 from spike_course.checks import CheckFailed, check_moe_layer, ch12_expert_parallel as expert_parallel
 from named import names
-from planting import planted, written_file
+from spike_course.course.conventions import written_file
+from planting import planted
 
 import course_files
 
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEM = "12_context_and_expert_parallel"
 NOTEBOOK = course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb")
 HARNESS = workers.worker_cells(NOTEBOOK)[f"{STEM}/moe_check.py"]
-LAYER = written_file(NOTEBOOK, f"{STEM}/moe_exchange.py")
+LAYER = written_file(NOTEBOOK, f"workers/{STEM}/moe_exchange.py")
 
 
 PRIORITY = "expert, weight = choice.t().reshape(-1), gate.t().reshape(-1)"
@@ -118,7 +119,7 @@ CHECK_MODULE, PLANTS = expert_parallel, {name: key for key, name in PLANTED_MIST
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
     changes, message = MISTAKES[mistake]
-    source = planted(LAYER, *changes) if changes else exercises.blank_source(LAYER)
+    source = planted(LAYER, *changes) if changes else conventions.blank_source(LAYER)
     jobs = run(worker, source)
     with names(PLANTED_MISTAKE.get(mistake), says=re.compile(message, re.S)):
         check_moe_layer(jobs)

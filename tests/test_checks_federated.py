@@ -15,17 +15,18 @@ import pytest
 import torch
 
 import spike_course
-from spike_course.course import exercises
+from spike_course.course import conventions
 from spike_course.checks import CheckFailed, check_fedavg, ch09_federated as federated
 from named import names
 from spike_course.checks.ch09_federated import U32, _combine
-from planting import planted, written_file
+from spike_course.course.conventions import written_file
+from planting import planted
 
 import course_files
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = course_files.notebook(ROOT / "solutions" / "09_federated_learning.ipynb")
-WORKER = written_file(NOTEBOOK, "09_federated_learning/fedavg_exercise.py")
+WORKER = written_file(NOTEBOOK, "workers/09_federated_learning/fedavg_exercise.py")
 
 # --- reports built by hand: three sites, one round in which site 1 sat out ---
 
@@ -164,7 +165,7 @@ def test_the_solution_passes(worker, no_orphans, capsys):
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
     changes, message = MISTAKES[mistake]
-    source = exercises.blank_source(WORKER) if changes is None else planted(WORKER, *changes)
+    source = conventions.blank_source(WORKER) if changes is None else planted(WORKER, *changes)
     job = run(worker, source)
     if mistake == "the_lecture_s_fedavg":  # 1 + one all-reduce per tensor of the transformer
         assert [site["collectives"] for site in job.reports[0]["rounds"]] == [23, 23, 23]

@@ -14,18 +14,16 @@ import torch
 
 import spike_course
 from spike_course import checks
-from spike_course.course import exercises
+from spike_course.course import conventions
 from spike_course.checks import CheckFailed, ch06_zero as zero
+from spike_course.course.conventions import region_matches, written_file
 from named import mistake_of, names
-
-from planting import written_file
 
 import course_files
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = course_files.notebook(ROOT / "solutions" / "06_fully_sharded_data_parallel.ipynb")
-SOURCE = written_file(SOLUTION, "06_fully_sharded_data_parallel/fsdp2_checkpoint.py")
-REGION = re.compile(r"[ \t]*### BEGIN SOLUTION\n.*?### END SOLUTION\n", re.S)
+SOURCE = written_file(SOLUTION, "workers/06_fully_sharded_data_parallel/fsdp2_checkpoint.py")
 FUNCTIONS = ("save", "resume", "batches")  # the solution regions, in the worker's order
 SAVE_AT, SAVED_RANKS, RESUMED_RANKS = 3, 2, 1
 
@@ -33,7 +31,7 @@ SAVE_AT, SAVED_RANKS, RESUMED_RANKS = 3, 2, 1
 def planted_worker(**bodies: str) -> str:
     """The solution's worker with the regions of the functions named in ``bodies`` (save=...,
     resume=..., batches=...) replaced by those bodies (indented 4, as in a function)."""
-    regions = REGION.findall(SOURCE)
+    regions = [match.group(0) for match in region_matches(SOURCE)]
     assert len(regions) == len(FUNCTIONS), "the worker's solution regions changed: update this test"
     source = SOURCE
     for name, body in bodies.items():
@@ -215,8 +213,8 @@ def test_a_data_mistake_is_named(worker, tmp_path, no_orphans, name):
 
 @pytest.mark.processes
 def test_the_blank_worker_is_named(worker, tmp_path, no_orphans):
-    blank = exercises.blank_source(SOURCE)
-    assert blank.count(exercises.STUB) == len(FUNCTIONS)
+    blank = conventions.blank_source(SOURCE)
+    assert blank.count(conventions.STUB) == len(FUNCTIONS)
     saved, resumed = run_both(worker(blank), tmp_path / "checkpoint")
     with pytest.raises(CheckFailed, match="the worker is not written yet"):
         checks.check_fsdp2_checkpoint(saved, resumed, tmp_path / "checkpoint")

@@ -8,7 +8,6 @@ ones are planted in the solution's reported results, which is all the check read
 """
 
 import copy
-import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +17,8 @@ from spike_course import launch
 from spike_course.checks import CheckFailed, check_resharded_resume, ch07_launching as launching
 from named import mistake_of, names
 from spike_course.lab.launcher import LaunchError
+from spike_course.course.conventions import written_file
+from planting import replace_region
 
 import course_files
 
@@ -25,22 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = "workers/07_launching_at_scale/reshape.py"
 GLOBAL_BATCH, LR, STEPS, LIMIT, STOP_AT = 64, 0.05, 20, 512, 12
 ARGS = ["--global-batch", GLOBAL_BATCH, "--lr", LR, "--steps", STEPS, "--limit", LIMIT]
-REGION = re.compile(r"^[ \t]*### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION\n", re.S | re.M)
 
 
 def solution_worker() -> str:
     notebook = course_files.notebook(ROOT / "solutions" / "07_launching_at_scale.ipynb")
-    cell = next(c.source for c in notebook.cells if c.source.startswith(f"%%writefile {WORKER}"))
-    return cell.split("\n", 1)[1] + "\n"
+    return written_file(notebook, WORKER) + "\n"
 
 
 def plant(source: str, region: int, code: str) -> str:
     """The worker with solution region number ``region`` (0: per-rank batch and lr, 1: what
     the checkpoint stores, 2: where the resume continues) replaced by ``code``."""
-    found = list(REGION.finditer(source))
-    assert len(found) == 3, "the solution's worker should have three solution regions"
-    match = found[region]
-    return source[:match.start()] + code + source[match.end():]
+    return replace_region(source, region, code, regions=3)
 
 
 def run(script, nproc, *extra):

@@ -19,13 +19,14 @@ import pytest
 import torch
 
 import spike_course
-from spike_course.course import exercises, workers
+from spike_course.course import conventions, workers
 from spike_course.checks import CheckFailed, check_preemption_safe, ch14_preemption as preemption
 from spike_course.lab import preemption_probe
 from spike_course.lab.launcher import LaunchResult
 from spike_course.checks._common import name_the_first
 from named import names
-from planting import planted, written_file
+from spike_course.course.conventions import written_file
+from planting import planted
 
 import course_files
 
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEM = "14_surviving_preemption"
 NOTEBOOK = course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb")
 CELLS = workers.worker_cells(NOTEBOOK)
-SAFE = written_file(NOTEBOOK, f"{STEM}/safe_train.py")
+SAFE = written_file(NOTEBOOK, f"workers/{STEM}/safe_train.py")
 STEPS = 30
 
 
@@ -193,7 +194,7 @@ NAMED_AS = {"blank": None, "no_handler": "no handler", "saving_inside_the_handle
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_planted_mistake_is_named(mistake, worker, no_orphans, reference):
     change, message = MISTAKES[mistake]
-    source = exercises.blank_source(SAFE) if change is None else planted(SAFE, change)
+    source = conventions.blank_source(SAFE) if change is None else planted(SAFE, change)
     with names(NAMED_AS[mistake], says=re.compile(message, re.S)):
         drill(worker, source, reference)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from spike_course import costmodel
-from spike_course.course import exercises
+from spike_course.course import conventions
 from spike_course.checks import CheckFailed, check_job_plan, ch13_sizing as sizing
 from named import mistake_of, names
 from planting import answer_function
@@ -21,7 +21,7 @@ import course_files
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = course_files.notebook(ROOT / "solutions" / "13_sizing_a_job.ipynb")
 SOLUTION = next(cell.source for cell in NOTEBOOK.cells
-                if cell.cell_type == "code" and exercises.has_solution(cell))
+                if cell.cell_type == "code" and conventions.has_solution(cell))
 ANSWER = SOLUTION.split("\n\n\nplan = ")[0]  # the function alone, not the cell's call of it
 
 

@@ -7,7 +7,6 @@ launch per mistake, 3-5 seconds each. The reference is the solution notebook's o
 ``unsharded_reference``. A few cases that need no launch use reported results made here.
 """
 
-import re
 import textwrap
 from pathlib import Path
 
@@ -16,9 +15,11 @@ import torch
 import torch.nn as nn
 
 import spike_course
-from spike_course.course import exercises, workers
+from spike_course.course import conventions, workers
 from spike_course.checks import CheckFailed, check_vocab_parallel_embedding, ch05_tensor_parallel as tensor_parallel
+from spike_course.course.conventions import region_matches, regions, written_file
 from named import names
+from planting import replace_region
 
 import course_files
 
@@ -26,15 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 STEM = "05_tensor_parallel"
 NOTEBOOK = course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb")
 CHECK_SCRIPT = workers.worker_cells(NOTEBOOK)[f"{STEM}/check_embedding.py"]
-LAYER = next(c.source for c in NOTEBOOK.cells
-             if c.source.startswith(f"%%writefile workers/{STEM}/vocab_parallel.py")).split("\n", 1)[1]
-REGION = re.compile(r"( *)### BEGIN SOLUTION\n.*?### END SOLUTION(?:\n|$)", re.S)
+LAYER = written_file(NOTEBOOK, f"workers/{STEM}/vocab_parallel.py")
 _namespace = {"torch": torch, "nn": nn}
 exec(next(c.source for c in NOTEBOOK.cells if c.source.startswith("def unsharded_reference")), _namespace)
 unsharded_reference = _namespace["unsharded_reference"]
 
 # the solution's forward region, dedented, without its marker lines
-FORWARD = textwrap.dedent("".join(list(REGION.finditer(LAYER))[1].group(0).splitlines(True)[1:-1]))
+FORWARD = textwrap.dedent(regions(LAYER)[1])
 
 
 def forward_with(old, new):
@@ -45,14 +44,11 @@ def forward_with(old, new):
 
 def plant(init=None, forward=None):
     """The solution's file with its __init__ and/or forward region replaced (None: kept)."""
-    regions = iter([init, forward])
-
-    def replace(match):
-        new = next(regions)
-        return match.group(0) if new is None else textwrap.indent(new, match.group(1))
-
-    planted, count = REGION.subn(replace, LAYER)
-    assert count == 2, "the solution's vocab_parallel.py no longer has 2 solution regions: update this test"
+    assert len(region_matches(LAYER)) == 2, "the solution's vocab_parallel.py no longer has 2 solution regions"
+    planted = LAYER
+    for number, new in reversed(list(enumerate([init, forward]))):  # the last first: the spans stay put
+        if new is not None:
+            planted = replace_region(planted, number, textwrap.indent(new, region_matches(planted)[number].group(1)))
     return planted
 
 
@@ -126,7 +122,7 @@ def test_the_solution_passes(worker, no_orphans, capsys):
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_planted_mistake_is_named(mistake, worker, no_orphans):
     regions, message = MISTAKES[mistake]
-    source = exercises.blank_source(LAYER) if regions is None else plant(**regions)
+    source = conventions.blank_source(LAYER) if regions is None else plant(**regions)
     result, reference = run(worker, source)
     with names(PLANTED_MISTAKE.get(mistake), says=message):
         check_vocab_parallel_embedding(result.reports, reference)

@@ -6,7 +6,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from spike_course.course import exercises, grading
+from spike_course.course import conventions, exercises, grading
 
 import course_files
 
@@ -24,7 +24,7 @@ def _notebook(*cells):
 
 def test_a_solution_region_becomes_an_indented_stub():
     source = "def f(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION\n\nprint(f(1))"
-    blank = exercises.blank_source(source)
+    blank = conventions.blank_source(source)
     assert "return 2 * x" not in blank
     assert "    raise NotImplementedError(" in blank
     assert blank.startswith("def f(x):\n    # YOUR CODE HERE") and blank.endswith("print(f(1))")
@@ -37,7 +37,7 @@ def test_a_solution_region_becomes_an_indented_stub():
 ])
 def test_broken_markers_are_reported(source, problem):
     with pytest.raises(ValueError, match=problem):
-        exercises.blank_source(source)
+        conventions.blank_source(source)
 
 
 def test_tags_tell_ci_what_may_and_must_fail():
@@ -106,8 +106,8 @@ def _course(tmp_path, name="02_distributed_sampling.ipynb"):
 def _answer(path):
     """Fill the first blank of the exercise notebook at ``path`` (as a learner would)."""
     notebook = nbformat.read(path, as_version=4)
-    number, cell = next((i, c) for i, c in enumerate(notebook.cells, 1) if exercises.STUB in c.source)
-    cell.source = cell.source.replace(exercises.STUB, "my_answer = 42  # the learner's line")
+    number, cell = next((i, c) for i, c in enumerate(notebook.cells, 1) if conventions.STUB in c.source)
+    cell.source = cell.source.replace(conventions.STUB, "my_answer = 42  # the learner's line")
     nbformat.write(notebook, path)
     return number
 
@@ -152,9 +152,9 @@ def test_a_notebook_that_was_run_is_kept_too(tmp_path):
 def test_what_counts_as_an_answer_in_a_cell():
     """Text at a blank is the learner's, stub or no stub; an older blank is not: the course may
     rewrite it. In a cell that starts as a given script, a change to that script is an answer."""
-    blank = nbformat.v4.new_code_cell(f"x = 1\n# YOUR CODE HERE\n{exercises.STUB}\nprint(x)")
-    typed_above = f"x = 1\n# YOUR CODE HERE\ny = x + 1  # mine\n{exercises.STUB}\nprint(x)"
-    older_blank = f"x = 2\n# YOUR CODE HERE\n{exercises.STUB}\nprint(x)"  # the course changed x since
+    blank = nbformat.v4.new_code_cell(f"x = 1\n# YOUR CODE HERE\n{conventions.STUB}\nprint(x)")
+    typed_above = f"x = 1\n# YOUR CODE HERE\ny = x + 1  # mine\n{conventions.STUB}\nprint(x)"
+    older_blank = f"x = 2\n# YOUR CODE HERE\n{conventions.STUB}\nprint(x)"  # the course changed x since
     assert exercises.answered(nbformat.v4.new_code_cell(typed_above), blank)
     assert exercises.answered(nbformat.v4.new_code_cell("x = 1\ny = 2\nprint(x)"), blank)
     assert not exercises.answered(nbformat.v4.new_code_cell(older_blank), blank)
@@ -166,7 +166,7 @@ def test_what_counts_as_an_answer_in_a_cell():
                                   "### BEGIN SOLUTION (starts as workers/99_x/single.py)\n"
                                   "print('a job')\n### END SOLUTION")])
     starter = exercises.make_exercise(solution).cells[1]
-    assert starter.source == f"%%writefile workers/99_x/train.py\n# YOUR CODE HERE\n{exercises.STUB}\nprint('one gpu')"
+    assert starter.source == f"%%writefile workers/99_x/train.py\n# YOUR CODE HERE\n{conventions.STUB}\nprint('one gpu')"
     begun = starter.source.replace("print('one gpu')", "print('one gpu, soon a job')")
     assert exercises.answered(nbformat.v4.new_code_cell(begun), starter)
     assert not exercises.answered(nbformat.v4.new_code_cell(starter.source), starter)
@@ -177,7 +177,7 @@ def test_course_drift_is_told_from_a_learners_work(tmp_path):
     _answer(path)
     notebook = nbformat.read(path, as_version=4)
     given = next(i for i, c in enumerate(notebook.cells, 1)
-                 if c.cell_type == "code" and exercises.STUB not in c.source and "my_answer" not in c.source)
+                 if c.cell_type == "code" and conventions.STUB not in c.source and "my_answer" not in c.source)
     notebook.cells[given - 1].source += "\nprint('changed')"
     nbformat.write(notebook, path)
     lines, in_sync = exercises.check(root / "solutions", root / "exercises")
@@ -192,12 +192,12 @@ def test_blank_exercise_runs_and_every_check_fails(name, tmp_path):
     The blank is generated from solutions/ and runs in a folder of its own: a learner's
     answers in exercises/, and the workers they wrote, are not touched."""
     cells = grading.execute_cells(tmp_path / name, notebook=nbformat.from_dict(BLANKS[name]))
-    checks = [cell for cell in cells if exercises.CHECK_TAG in cell["tags"]]
+    checks = [cell for cell in cells if conventions.CHECK_TAG in cell["tags"]]
     assert checks, f"{name} has no cell tagged 'check'"
     for cell in checks:
         assert cell["error"], f"{name} cell {cell['index']} passed on the blank exercise:\n{cell['source']}"
     for cell in cells:
-        if exercises.RAISES_TAG not in cell["tags"]:
+        if conventions.RAISES_TAG not in cell["tags"]:
             assert not cell["error"], (f"{name} cell {cell['index']} failed on the blank exercise:\n"
                                        f"{cell['source']}\n{cell['error']}")
 
@@ -212,7 +212,7 @@ def test_grade_runs_the_course_checks_not_the_learners(tmp_path, monkeypatch, ca
     name = "02_distributed_sampling.ipynb"
     learner = nbformat.from_dict(BLANKS[name])
     for cell in learner.cells:
-        if exercises.CHECK_TAG in cell.metadata.get("tags", []):
+        if conventions.CHECK_TAG in cell.metadata.get("tags", []):
             cell.source = "pass  # 'fixed' by the learner"
     (tmp_path / "exercises").mkdir()
     path = tmp_path / "exercises" / name
@@ -224,7 +224,7 @@ def test_grade_runs_the_course_checks_not_the_learners(tmp_path, monkeypatch, ca
     report = printed.out.splitlines()
     assert "WARNING" not in printed.err, printed.err  # ipykernel's warning about TCP, for one
     checks = [number for number, cell in enumerate(learner.cells, 1)
-              if exercises.CHECK_TAG in cell.metadata.get("tags", [])]
+              if conventions.CHECK_TAG in cell.metadata.get("tags", [])]
     # each edited check cell is also a grading problem of its own
     assert report[0] == f"{path}: 0 of {len(checks)} checks pass, and {len(checks)} grading problem(s)"
     lines = [line for line in report[1:] if line.startswith(("  pass", "  FAIL"))]
@@ -239,7 +239,7 @@ def test_grade_runs_the_course_checks_not_the_learners(tmp_path, monkeypatch, ca
 def test_each_check_cell_is_named_by_the_check_it_calls():
     for name, exercise in BLANKS.items():
         for cell in exercise.cells:
-            if exercises.CHECK_TAG in cell.metadata.get("tags", []):
+            if conventions.CHECK_TAG in cell.metadata.get("tags", []):
                 assert grading.check_name(cell.source).startswith("check_"), (name, cell.source)
     # a helper called first (it names a blank or crashed rank) is not what the cell checks
     source = "reports = checks.launch_reports(job, 'evaluate')\nchecks.check_distributed_accuracy(reports)"
@@ -273,8 +273,8 @@ def test_a_failed_check_shows_its_message_alone_in_the_notebook(tmp_path):
 def _runs_the_answer(notebook) -> set[str]:
     """The workers of an exercise that run the learner's code: those with a solution region,
     and those that import one of them."""
-    written = {Path(path).name: source for path, source in exercises.written_files(notebook).items()}
-    answered = {name for name, source in written.items() if exercises.BEGIN in source}
+    written = {Path(path).name: source for path, source in conventions.written_files(notebook).items()}
+    answered = {name for name, source in written.items() if conventions.BEGIN in source}
     return answered | {name for name, source in written.items()
                        if any(re.search(rf"^\s*(from|import)\s+{Path(a).stem}\b", source, re.M) for a in answered)}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from spike_course.course import exercises, grading
+from spike_course.course import conventions, exercises, grading
 
 import course_files
 
@@ -24,7 +24,7 @@ CHECK = "assert answer() == 42, 'answer() should be 42'"
 
 def solution():
     cells = [nbformat.v4.new_code_cell(REFERENCE, id="reference"), nbformat.v4.new_code_cell(ANSWER, id="answer"),
-             nbformat.v4.new_code_cell(CHECK, id="check", metadata={"tags": [exercises.CHECK_TAG]})]
+             nbformat.v4.new_code_cell(CHECK, id="check", metadata={"tags": [conventions.CHECK_TAG]})]
     return nbformat.v4.new_notebook(cells=cells)  # fixed ids: grading matches cells by id
 
 
@@ -33,7 +33,7 @@ def learner(answer="    return 42", **edits):
     cell index to new source, and ``added`` adds a cell at the end."""
     notebook = exercises.make_exercise(solution(), "99_probe")
     blank = notebook.cells[1].source
-    notebook.cells[1].source = exercises.BLANK_LINES.sub(answer.replace("\\", r"\\"), blank)
+    notebook.cells[1].source = conventions.BLANK_LINES.sub(answer.replace("\\", r"\\"), blank)
     for index, source in edits.items():
         if index == "added":
             notebook.cells.append(nbformat.v4.new_code_cell(source))
@@ -131,14 +131,13 @@ def answered_with_solution(solution, name):
     """The blank exercise with each blank filled by the solution's answer, as a learner would."""
     notebook = exercises.make_exercise(solution, name)
     for index, cell in enumerate(notebook.cells):
-        if exercises.has_solution(solution.cells[index]):
-            regions = exercises.re.findall(r"### BEGIN SOLUTION[^\n]*\n(.*?)[ \t]*### END SOLUTION",
-                                           solution.cells[index].source, exercises.re.S)
-            if exercises.starts_as(solution.cells[index].source) is not None:
+        if conventions.has_solution(solution.cells[index]):
+            regions = conventions.regions(solution.cells[index].source)
+            if conventions.starts_as(solution.cells[index].source) is not None:
                 # the given script after the stub is the learner's too
-                cell.source = cell.source.split(exercises.STUB)[0].rsplit("# YOUR CODE HERE", 1)[0] + regions[0]
+                cell.source = cell.source.split(conventions.STUB)[0].rsplit("# YOUR CODE HERE", 1)[0] + regions[0]
             else:
-                cell.source = exercises.BLANK_LINES.sub(lambda m, it=iter(regions): next(it).rstrip("\n"),
+                cell.source = conventions.BLANK_LINES.sub(lambda m, it=iter(regions): next(it).rstrip("\n"),
                                                         cell.source)
     return notebook
 
@@ -151,13 +150,12 @@ def test_the_answer_regions_of_every_course_exercise_come_back_whole():
         blank = exercises.make_exercise(sol, path.name)
         filled = answered_with_solution(sol, path.name)
         for index, cell in enumerate(blank.cells):
-            if exercises.has_solution(sol.cells[index]):
-                regions = exercises.re.findall(r"### BEGIN SOLUTION[^\n]*\n(.*?)[ \t]*### END SOLUTION",
-                                               sol.cells[index].source, exercises.re.S)
-                whole_script = exercises.starts_as(sol.cells[index].source) is not None
-                answers = exercises.answers_in(cell.source, filled.cells[index].source, whole_script)
+            if conventions.has_solution(sol.cells[index]):
+                regions = conventions.regions(sol.cells[index].source)
+                whole_script = conventions.starts_as(sol.cells[index].source) is not None
+                answers = conventions.answers_in(cell.source, filled.cells[index].source, whole_script)
                 assert answers is not None, (path.name, index)
-                assert [exercises.lines_as_read(a).strip() for a in answers] == [exercises.lines_as_read(r).strip() for r in regions], (path.name, index)
+                assert [conventions.lines_as_read(a).strip() for a in answers] == [conventions.lines_as_read(r).strip() for r in regions], (path.name, index)
 
 
 @pytest.mark.processes
@@ -189,9 +187,9 @@ def test_grade_reports_each_attack_and_passes_a_right_answer(tmp_path):
 # Chapter 08's check, in a notebook of three cells: the course's imports, one answer, the check.
 GUARDED = [
     "import math\nimport torch\nfrom spike_course import checks, costmodel\nalpha, beta, world = 9e-4, 1 / 0.3e9, 2",
-    "### BEGIN SOLUTION\n" + exercises.re.sub(r"(?m)^[ \t]*### (BEGIN|END) SOLUTION.*\n", "", "\n".join(
+    "### BEGIN SOLUTION\n" + conventions.without_markers("\n".join(
         cell.source for cell in course_files.notebook(ROOT / "solutions" / "08_communication_and_hardware.ipynb").cells
-        if cell.cell_type == "code" and exercises.has_solution(cell))) + "\n### END SOLUTION",
+        if cell.cell_type == "code" and conventions.has_solution(cell))) + "\n### END SOLUTION",
     "checks.check_dgx_prediction(ring_from_fit, predict_allreduce, dgx_busbw, dgx_allreduce_seconds,\n"
     "                            fit=(alpha, beta), world_size=world)",
 ]
@@ -210,12 +208,12 @@ globals()["checks"].check_dgx_prediction = lambda *args, **kwargs: print("check 
 def test_each_attack_fails_by_name_in_the_learners_kernel_and_in_grading(tmp_path):
     solution = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell(GUARDED[0], id="imports"), nbformat.v4.new_code_cell(GUARDED[1], id="answer"),
-        nbformat.v4.new_code_cell(GUARDED[2], id="check", metadata={"tags": [exercises.CHECK_TAG]})])
+        nbformat.v4.new_code_cell(GUARDED[2], id="check", metadata={"tags": [conventions.CHECK_TAG]})])
     (tmp_path / "solutions").mkdir()
     (tmp_path / "exercises").mkdir()
     nbformat.write(solution, tmp_path / "solutions" / "99_guarded.ipynb")
     attacked = exercises.make_exercise(solution, "99_guarded")
-    attacked.cells[1].source = exercises.BLANK_LINES.sub(ATTACKED.replace("\\", r"\\"), attacked.cells[1].source)
+    attacked.cells[1].source = conventions.BLANK_LINES.sub(ATTACKED.replace("\\", r"\\"), attacked.cells[1].source)
     path = tmp_path / "exercises" / "99_guarded.ipynb"
     nbformat.write(attacked, path)
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from spike_course.course import conventions
+
 import course_files
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_message_passing.ipynb"
@@ -32,10 +34,9 @@ int MPI_Wait(MPI_Request *request, MPI_Status *status);
 
 @pytest.fixture
 def c_source(tmp_path):
-    cells = course_files.notebook(NOTEBOOK).cells
-    cell = next(c for c in cells if c.source.startswith("%%writefile") and ".c" in c.source.split()[1])
+    written = conventions.written_files(course_files.notebook(NOTEBOOK))
     path = tmp_path / "hello_mpi.c"
-    path.write_text(cell.source.split("\n", 1)[1] + "\n")
+    path.write_text(next(text for name, text in written.items() if name.endswith(".c")) + "\n")
     return path
 
 

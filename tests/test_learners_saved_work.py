@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from spike_course.course import exercises
+from spike_course.course import conventions, exercises
 
 import course_files
 
@@ -55,7 +55,7 @@ def _answered(stem):
     solution = course_files.notebook(f"solutions/{stem}.ipynb")
     notebook = exercises.make_exercise(solution, f"{stem}.ipynb")
     for cell, worked in zip(notebook.cells, solution.cells):
-        if exercises.has_solution(worked):
+        if conventions.has_solution(worked):
             cell.source = MARKER.sub("", worked.source)
     return _saved_by_jupyterlab(notebook)
 
@@ -105,7 +105,7 @@ def test_the_planted_work_is_what_a_working_tree_reader_would_refuse(learners_co
         cells = json.loads((learners_course / path).read_text())["cells"]
         assert any(c.get("outputs") for c in cells if c["cell_type"] == "code"), path
     answered = (learners_course / "exercises" / "01_message_passing.ipynb").read_text()
-    assert exercises.STUB not in answered and "def my_tree_allreduce" in answered
+    assert conventions.STUB not in answered and "def my_tree_allreduce" in answered
 
 
 def test_exercises_check_reports_the_work_and_passes(learners_course):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from spike_course.course import conventions
+
 import course_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,9 +39,9 @@ def test_first_code_cell_sets_up_the_chapter(path):
 def test_worker_scripts_go_to_the_chapter_folder(path):
     notebook = course_files.notebook(path)
     for cell in notebook.cells:
-        match = re.match(r"%%writefile\s+(\S+)", cell.source)
-        if match:
-            assert match.group(1).startswith(f"workers/{path.stem}/"), match.group(1)
+        written = conventions.writes(cell)
+        if written:
+            assert written.startswith(f"workers/{path.stem}/"), written
 
 
 @pytest.mark.parametrize("path", course_files.tracked("notebooks", "[0-9][0-9]_*.ipynb"),

@@ -28,14 +28,12 @@ from pathlib import Path
 
 import pytest
 
-from spike_course.course import exercises
+from spike_course.course import conventions
 
 import course_files
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 0.20
-REGION = re.compile(r"^[ \t]*### BEGIN SOLUTION[^\n]*\n(.*?)^[ \t]*### END SOLUTION", re.S | re.M)
-STARTS_AS = re.compile(r"### BEGIN SOLUTION \(starts as (\S+)\)")
 KEPT_NAMES = set(keyword.kwlist) | set(dir(builtins)) | {
     "torch", "dist", "nn", "F", "math", "np", "os", "sys", "time", "random", "runtime", "costmodel",
     "checks", "spike_course", "dcp", "functools", "itertools"}
@@ -85,7 +83,7 @@ def page(cells) -> set[str]:
             code += [piece for inline in re.findall(r"`([^`\n]+)`", cell.source) for piece in [inline]]
             found.update(line for piece in code for line in normalised_lines(piece))
         else:
-            found.update(normalised_lines(REGION.sub("", cell.source)))
+            found.update(normalised_lines(conventions.outside_regions(cell.source)))
     return found
 
 
@@ -98,14 +96,14 @@ def exercises_of(notebook, stem) -> dict[str, list[str]]:
         if cell.cell_type == "markdown" and heading.search(cell.source):
             count += 1
             current = f"{stem}, exercise {count}"
-        regions = REGION.findall(cell.source) if cell.cell_type == "code" else []
+        regions = conventions.regions(cell.source) if cell.cell_type == "code" else []
         if not regions:
             continue
         if not headed:
             count += 1
             current = f"{stem}, exercise {count}"
-        starts = STARTS_AS.search(cell.source)
-        given = set(normalised_lines(exercises.written_files(notebook)[starts.group(1)])) if starts else set()
+        starts = conventions.starts_as(cell.source)
+        given = set(normalised_lines(conventions.written_file(notebook, starts))) if starts else set()
         lines = [line for region in regions for line in normalised_lines(textwrap.dedent(region))]
         answers.setdefault(current, []).extend(line for line in lines if not trivial(line) and line not in given)
     return answers

@@ -13,6 +13,7 @@ import pkgutil
 from pathlib import Path
 
 import spike_course
+from spike_course.course import conventions
 
 import course_files
 
@@ -24,12 +25,12 @@ def exercise_answers() -> dict[str, str]:
     answers = {}
     for path in course_files.tracked("solutions", "*.ipynb"):
         for cell in course_files.notebook(path).cells:
-            if cell.cell_type != "code" or "### BEGIN SOLUTION" not in cell.source:
+            if not conventions.has_solution(cell):
                 continue
             source = "\n".join(line for line in cell.source.splitlines() if not line.startswith("%"))
             for node in ast.parse(source).body:
                 if (isinstance(node, (ast.FunctionDef, ast.ClassDef))
-                        and "### BEGIN SOLUTION" in ast.get_source_segment(source, node)):
+                        and conventions.BEGIN in ast.get_source_segment(source, node)):
                     answers[node.name] = path.name
     return answers
 

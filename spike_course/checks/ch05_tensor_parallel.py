@@ -215,11 +215,6 @@ def _errors(results: dict, n: int) -> dict:
     return {r: results[r]["error"] for r in range(n) if results[r].get("error")}
 
 
-def _errors(results: dict, n: int) -> dict:
-    """rank -> the error it raised, for the ranks that raised."""
-    return {r: results[r]["error"] for r in range(n) if results[r].get("error")}
-
-
 def _ranks(results: dict, split: _VocabSplit) -> list[_Rank]:
     return [_Rank(split, r, results[r]) for r in range(split.n)]
 

@@ -193,8 +193,8 @@ def _judge_table(mistakes, job, *readings):
 
 
 def _preflight(source):
-    from ..course.exercises import STUB  # here, not at the top: it imports nbformat, which notebooks need not load
-    stubs = [n for n, line in enumerate(source.splitlines(), 1) if line.strip() == STUB]
+    from ..course.conventions import stub_lines
+    stubs = stub_lines(source)
     if stubs:
         raise CheckFailed(f"line {stubs[0]} still raises NotImplementedError: that is where your job "
                           "starts. Delete it and turn the script below it into a torchrun job (no rank "

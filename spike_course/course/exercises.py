@@ -1,13 +1,11 @@
 """Generate ``exercises/`` from ``solutions/``, and tell when the two have drifted
-(grading them is ``spike_course.course.grading``).
+(grading them is ``spike_course.course.grading``; the notebooks' conventions, markers, stub and
+tags, are ``spike_course.course.conventions``).
 
-In a solution notebook the answer sits between ``### BEGIN SOLUTION`` and
-``### END SOLUTION`` lines. The exercise notebook is the same notebook with each such
-region replaced by a stub that raises ``NotImplementedError`` (indented like the
-BEGIN line), and with outputs cleared. A region whose BEGIN line says where the exercise
-starts, ``### BEGIN SOLUTION (starts as workers/NN_topic/single.py)``, becomes the stub
-followed by that file as the notebook's ``%%writefile`` cell writes it: the learner
-changes a whole given script (the capstone), and everything after the stub is their answer.
+The exercise notebook is the solution notebook with each solution region replaced by the stub,
+and with outputs cleared. A region that says where the exercise starts becomes the stub
+followed by that file as the notebook's ``%%writefile`` cell writes it: the learner changes a
+whole given script (the capstone), and everything after the stub is their answer.
 
 Tags tell CI what to expect of the blank exercise:
 
@@ -23,70 +21,14 @@ with the check cells restored from the source (``grading``).
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
 from pathlib import Path
 
 import nbformat
 
-BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-CHECK_TAG, USES_TAG, RAISES_TAG = "check", "uses-solution", "raises-exception"
-STUB = 'raise NotImplementedError("exercise: replace this line with your code")'
-STARTS_AS_KEY = "spike_course_starts_as"  # in a blank cell's metadata: the given script it starts as
-_BEGIN_LINE = re.compile(r"^(\s*)" + re.escape(BEGIN) + r"(?: \(starts as (\S+)\))?\s*$")
-_WRITEFILE = re.compile(r"\A%%writefile\s+(\S+)[ \t]*\n")
-
-
-def written_files(notebook) -> dict:
-    """{path: text} of the notebook's ``%%writefile`` cells, as the course wrote them."""
-    found = {}
-    for cell in notebook.cells:
-        match = _WRITEFILE.match(cell.source) if cell.cell_type == "code" else None
-        if match:
-            found[match.group(1)] = cell.source[match.end():]
-    return found
-
-
-def starts_as(source: str) -> str | None:
-    """The file a cell's solution region starts from in the exercise, if it names one."""
-    for line in source.splitlines():
-        begin = _BEGIN_LINE.match(line)
-        if begin and begin.group(2):
-            return begin.group(2)
-    return None
-
-
-def blank_source(source: str, where: str = "", starters=None) -> str:
-    """Replace every solution region of one cell's source with a stub (followed, for a
-    region that starts as a given file, by that file's text from ``starters``)."""
-    out, indent = [], None
-    for number, line in enumerate(source.splitlines(), 1):
-        begin = _BEGIN_LINE.match(line)
-        if begin:
-            if indent is not None:
-                raise ValueError(f"{where} line {number}: {BEGIN} inside another solution region")
-            indent = begin.group(1)
-            out.append(f"{indent}# YOUR CODE HERE")
-            out.append(f"{indent}{STUB}")
-            if begin.group(2):
-                if begin.group(2) not in (starters or {}):
-                    raise ValueError(f"{where} line {number}: no %%writefile cell writes {begin.group(2)}")
-                out += starters[begin.group(2)].rstrip("\n").splitlines()
-        elif line.strip() == END:
-            if indent is None:
-                raise ValueError(f"{where} line {number}: {END} without a {BEGIN} before it")
-            indent = None
-        elif indent is None:
-            out.append(line)
-    if indent is not None:
-        raise ValueError(f"{where}: {BEGIN} is never closed by {END}")
-    return "\n".join(out)
-
-
-def has_solution(cell) -> bool:
-    return cell.cell_type == "code" and BEGIN in cell.source
-
+from .conventions import (BEGIN, CHECK_TAG, RAISES_TAG, STARTS_AS_KEY, STUB, USES_TAG, answers_in, blank_source,
+                          has_solution, is_whole_script, lines_as_read, starts_as, written_files)
 
 def make_exercise(solution: nbformat.NotebookNode, name: str = "") -> nbformat.NotebookNode:
     """The exercise notebook for one solution notebook (a new object; the input is untouched)."""
@@ -124,38 +66,6 @@ def expected_exercises(solutions_dir) -> dict:
 
 def _numbers(numbers) -> str:
     return ("cell " if len(numbers) == 1 else "cells ") + ", ".join(map(str, numbers))
-
-
-# The two lines a solution region becomes in the exercise (exercises.blank_source).
-BLANK_LINES = re.compile(r"^[ \t]*# YOUR CODE HERE\n[ \t]*" + re.escape(STUB) + r"[ \t]*$", re.M)
-
-
-def lines_as_read(source: str) -> str:
-    """Source compared as a reader sees it: trailing spaces and final newlines do not count."""
-    return "\n".join(line.rstrip() for line in source.rstrip().splitlines())
-
-
-def pieces_around(blank: str, to_the_end: bool) -> list[str]:
-    """The exercise cell's text around its blanks. When the blank is followed by a given script
-    the learner changes (``to_the_end``), that script is theirs: the last answer runs to the end."""
-    pieces = BLANK_LINES.split(lines_as_read(blank))
-    if to_the_end:
-        pieces[-1] = ""
-    return pieces
-
-
-def answers_in(blank: str, learner: str, to_the_end: bool = False) -> list[str] | None:
-    """The learner's text at each blank of an exercise cell, in order, or None when the code
-    around the blanks is no longer the exercise's (the learner edited outside an answer)."""
-    pieces = pieces_around(blank, to_the_end)
-    pattern = "(.*?)".join(re.escape(piece) for piece in pieces)
-    found = re.fullmatch(pattern, lines_as_read(learner), re.S)
-    return list(found.groups()) if found else None
-
-
-def is_whole_script(blank_cell) -> bool:
-    """True for an exercise cell whose stub is followed by a given script the learner changes."""
-    return STARTS_AS_KEY in blank_cell.get("metadata", {})
 
 
 def answered(cell, blank_cell) -> bool:

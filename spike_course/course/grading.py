@@ -17,8 +17,8 @@ from pathlib import Path
 import nbformat
 
 from .answer_scan import COURSE_NAMES, imported_names, misuses
-from .exercises import (CHECK_TAG, answers_in, has_solution, is_whole_script, lines_as_read, make_exercise,
-                        pieces_around)
+from .conventions import CHECK_TAG, writes, answers_in, has_solution, is_whole_script, lines_as_read, pieces_around
+from .exercises import make_exercise
 
 # What an added cell must not do: redefine a check, or what the checks raise and print.
 _TAMPERING = re.compile(r"\bchecks\s*\.\s*\w+\s*=(?!=)|setattr\s*\(\s*checks|def\s+check_\w+"
@@ -90,7 +90,7 @@ def rebuild(learner, solution, name: str = "") -> tuple:
             continue
         pieces = pieces_around(cell.source, whole_script)
         cell.source = pieces[0] + "".join(a + p for a, p in zip(answers, pieces[1:]))
-        in_kernel = not (whole_script or cell.source.startswith("%%writefile"))
+        in_kernel = not (whole_script or writes(cell))
         for misuse in misuses(cell.source, _answer_lines(pieces, answers), imported, in_kernel):
             problems.append({"id": cell.id, "error": misuse.message()})
     for cell in theirs.values():

@@ -14,22 +14,20 @@ docstring that starts with ``Fails on purpose:``: the author writes both, nothin
 from __future__ import annotations
 
 import ast
-import re
 from itertools import groupby
 from pathlib import Path
 
 import nbformat
 
-from . import exercises
+from .conventions import stub_lines, without_markers, written_files
 
 SOURCES = ("notebooks", "solutions")
-_SOLUTION_MARKER = re.compile(r"^[ \t]*### (BEGIN|END) SOLUTION[^\n]*(\n|\Z)", re.M)
 
 
 def worker_cells(notebook) -> dict[str, str]:
     """{"NN_topic/name.py": source} for every Python worker a notebook writes."""
-    return {path.removeprefix("workers/"): _SOLUTION_MARKER.sub("", text)
-            for path, text in exercises.written_files(notebook).items()
+    return {path.removeprefix("workers/"): without_markers(text)
+            for path, text in written_files(notebook).items()
             if path.startswith("workers/") and path.endswith(".py")}
 
 
@@ -79,7 +77,7 @@ def collect(root, sources=None) -> dict[str, str]:
             if relative in collected and collected[relative] != source:
                 raise ValueError(f"two notebooks write different workers/{relative}: give one "
                                  f"of them another name (second one: {notebook_path})")
-            if not is_blank(source):  # every worker says how it runs (a blank is named, not run)
+            if not stub_lines(source):  # every worker says how it runs (a blank is named, not run)
                 run_line(relative, source)
             collected[relative] = source
     return collected
@@ -99,14 +97,9 @@ def export(root, out, sources=None) -> list[Path]:
     return written
 
 
-def is_blank(source: str) -> bool:
-    """True while a worker still holds an exercise's blank (its NotImplementedError stub)."""
-    return "raise NotImplementedError(" in source
-
-
 def unanswered(paths) -> list[Path]:
     """The exported workers that still hold an exercise's blank (NotImplementedError)."""
-    return [path for path in paths if is_blank(path.read_text())]
+    return [path for path in paths if stub_lines(path.read_text())]
 
 
 def fails_on_purpose(source: str) -> str | None:
@@ -121,7 +114,7 @@ def node_readme(out: Path, written: list[Path]) -> str:
     that fail on purpose marked and explained."""
     runnable = {path.relative_to(out).as_posix(): path.read_text() for path in sorted(written)}
     runnable = {name: source for name, source in runnable.items()
-                if not is_blank(source) and MODULE not in source.split("\n", 1)[0]}
+                if not stub_lines(source) and MODULE not in source.split("\n", 1)[0]}
     blocks, failures = [], []
     for _, names in groupby(runnable, key=lambda name: name.split("/")[0]):
         lines = []

@@ -117,7 +117,7 @@ def _launch(record: dict, job: jobs.Job, main_pid: int) -> Launch:
 
 def _says_exec(command: list[str], tool: str) -> bool:
     text = " ".join(command)
-    return f"exec {tool}" in text or f"exec python3 -m torch.distributed.run" in text
+    return f"exec {tool}" in text or "exec python3 -m torch.distributed.run" in text
 
 
 def _parse_torchrun(launch: Launch, pod: jobs.Pod) -> None:
