@@ -15,7 +15,6 @@ import os
 import random
 import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -92,48 +91,57 @@ def _beats(folder: Path, nproc: int) -> dict:
     return found
 
 
+class _Drill:
+    """The drill, as the launch's watch: once every rank has reached ``at_step``, signal
+    ``ranks``; GRACE s later SIGKILL the signalled ranks still alive (as the cluster would); a
+    save the probe saw go wrong ends the launch at once (on a laptop a background save on the
+    default group can hang the job until its timeout)."""
+
+    def __init__(self, at_step, sig, ranks, nproc, beats_dir, log):
+        self.at_step, self.sig, self.ranks, self.nproc, self.beats_dir, self.log = \
+            at_step, sig, ranks, nproc, beats_dir, log
+        self.sent = None  # (when, the beats then) once the signal went
+        self.signalled_at, self.last, self.wrong, self.read_at = None, None, False, 0.0
+
+    def __call__(self, _result):
+        beats = _beats(self.beats_dir, self.nproc)
+        if self.at_step is not None and self.sent is None and len(beats) == self.nproc \
+                and min(s for _, s in beats.values()) >= self.at_step:
+            self.sent, self.signalled_at = (time.monotonic(), beats), time.time()
+            for rank in self.ranks:
+                os.kill(beats[rank][0], self.sig)
+        if self.sent and self.last is None and time.monotonic() - self.sent[0] > GRACE:
+            self.last = _beats(self.beats_dir, self.nproc)  # the beats when the grace period ran out
+            _kill(self.sent[1])
+        if not self.wrong and time.monotonic() > self.read_at:
+            self.read_at = time.monotonic() + 0.02
+            saves = _saves(self.log, self.signalled_at)  # read once for every mistake of the table
+            self.wrong = any(mistake.seen(saves) for mistake in SAVE_MISTAKES)
+            if self.wrong:
+                _kill(beats)
+
+
 def _launch(script, args, at_step, sig, ranks, nproc, threads, work):
     """One launch with the drill: returns (job, beats when the signal went, beats at the end,
-    whether the grace period ran out). A save the probe saw go wrong ends the launch at once
-    (on a laptop a background save on the default group can hang the job until its timeout)."""
+    whether the grace period ran out)."""
     import spike_course
 
     beats_dir, log = work / "heartbeat", work / "saves"
     for folder in (beats_dir, log):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-    box = {}
-    thread = threading.Thread(target=lambda: box.update(job=spike_course.launch(
+    drill = _Drill(at_step, sig, ranks, nproc, beats_dir, log)
+    job = spike_course.launch(
         PROBE, nproc=nproc, omp_threads=threads, check=False, echo=False, progress=False, timeout=60,
-        args=[log, script, *args, "--ckpt-dir", work / "ckpt", "--heartbeat", beats_dir])))
-    thread.start()
-    sent, signalled_at, killed, wrong, read_at = None, None, False, False, 0.0
-    while thread.is_alive():
-        beats = _beats(beats_dir, nproc)
-        if at_step is not None and sent is None and len(beats) == nproc \
-                and min(s for _, s in beats.values()) >= at_step:
-            sent, signalled_at = (time.monotonic(), beats), time.time()
-            for rank in ranks:
-                os.kill(beats[rank][0], sig)
-        if sent and not killed and time.monotonic() - sent[0] > GRACE:
-            killed, last = True, _beats(beats_dir, nproc)
-            _kill(sent[1])
-        if not wrong and time.monotonic() > read_at:
-            read_at = time.monotonic() + 0.02
-            saves = _saves(log, signalled_at)  # read once for every mistake of the table
-            wrong = any(mistake.seen(saves) for mistake in SAVE_MISTAKES)
-            if wrong:
-                _kill(beats)
-        time.sleep(0.001)
-    thread.join()
-    job = box["job"]
+        args=[log, script, *args, "--ckpt-dir", work / "ckpt", "--heartbeat", beats_dir],
+        watch=drill, watch_every=0.001)
     _not_written(job)
-    name_the_first(SAVE_MISTAKES, _saves(log, signalled_at))
+    name_the_first(SAVE_MISTAKES, _saves(log, drill.signalled_at))
     _started(job, "launch")
-    if at_step is not None and sent is None:
+    if at_step is not None and drill.sent is None:
         raise CheckFailed(f"the job ended before it reached step {at_step}, so no signal could be sent: "
                           "it must train --steps steps and call parts.heartbeat(args, ctx, step) before each.")
-    return job, (sent[1] if sent else None), (last if killed else None), killed
+    return job, (drill.sent[1] if drill.sent else None), drill.last, drill.last is not None
 
 
 def _kill(beats: dict) -> None:

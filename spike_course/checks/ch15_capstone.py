@@ -210,12 +210,20 @@ def _preflight(source):
 # --- 1. it ran, and joined a group ------------------------------------------------------------
 
 
-def _first_traceback(output) -> str:
-    """The first rank traceback that is not the check's own crash nor an echo of another rank's."""
-    output = re.sub(r"^\[(?:default)?rank\d+\]:", "", output, flags=re.M)  # torchrun's prefixes
-    blocks = re.findall(r"Traceback \(most recent call last\):\n(?:[ \t].*\n|\n)*\S.*", output)
-    own = [b for b in blocks if "crashed rank" not in b and "closed by peer" not in b]
-    return (own or blocks or [output.strip()[-1500:]])[0]
+_TRACEBACK = re.compile(r"Traceback \(most recent call last\):\n(?:[ \t].*\n|\n)*\S.*")
+
+
+def _first_traceback(job) -> str:
+    """The traceback of the rank the launch names as failed (``LaunchResult.failure``, the one
+    reading of a failure), or of the first rank with one, that is not the check's own crash nor
+    an echo of another rank's."""
+    failure, output = job.result.failure, job.result.output
+    for rank in ([failure.rank] if failure and failure.rank is not None else []) + sorted(output):
+        blocks = _TRACEBACK.findall("\n".join(output.get(rank, [])) + "\n")
+        own = [b for b in blocks if "crashed rank" not in b and "closed by peer" not in b]
+        if own:
+            return own[0]
+    return job.output.strip()[-1500:]
 
 
 def _alone(job) -> list[int]:
@@ -246,7 +254,7 @@ RAN_MISTAKES = (
 
 
 def _ran(job):
-    error = _first_traceback(job.output)
+    error = _first_traceback(job)
     _judge_table(RAN_MISTAKES, job, error)
     if "RendezvousTimeoutError" in job.output and 1 in job.attempts:
         _fail(job, f"after the check crashed rank {CRASH_RANK}, torchrun could not restart the job: the "
@@ -876,9 +884,9 @@ def _gpu_device_ids(job):
 
 
 def _gpu_job_wrapped(job):
-    if any(code != 0 for code in job.returncodes) or not job.every("ddp"):
+    if job.failed or not job.every("ddp"):
         _fail(job, "on a node with a GPU, your job failed before it wrapped the model in DDP. The first "
-                   f"error of a rank:\n{_first_traceback(job.output)[-2500:]}")
+                   f"error of a rank:\n{_first_traceback(job)[-2500:]}")
 
 
 GPU_CHOICES = (_gpu_backend, _gpu_picked, _gpu_set_device, _gpu_device_ids, _gpu_job_wrapped)
@@ -992,7 +1000,7 @@ def _judged(script, folder, judge, first_attempt_only=False):
     except _FailedByItself as stopped:
         job = stopped.job
     _joined(job)
-    if job.timed_out or any(code != 0 for code in job.returncodes):
+    if job.timed_out or job.failed:
         for step in ONE_WRITER:  # two writers of one file often make the job fail: name the cause
             step(job)
         _plain_keys(job, checkpoint)  # so do 'module.' keys, when the restart loads them

@@ -141,16 +141,21 @@ def free_port() -> int:
 
 def launch(script, nproc: int = 2, args=(), *, launcher: str = "warm", timeout: float | None = 300,
            env: dict | None = None, omp_threads: int | None = None, echo: bool = True,
-           check: bool = True, progress: bool = True, python: str | None = None,
-           **torchrun_options) -> LaunchResult:
+           check: bool = True, progress: bool = True, python: str | None = None, cwd=None,
+           nodes: int = 1, watch=None, watch_every: float = 0.25, **torchrun_options) -> LaunchResult:
     """Run ``script`` on ``nproc`` ranks and wait for all of them.
 
-    ``args`` are passed to every rank's ``sys.argv``. ``timeout`` (seconds, None for no
-    limit) bounds the whole run. ``echo=False`` keeps the output quiet but still
-    collects it. With ``check=True`` a failure raises :class:`LaunchError`; with
-    ``check=False`` it is returned and ``result.ok`` is False. Keyword options left
-    over (``nnodes="1:2"``, ``max_restarts=1``, ``rdzv_backend="c10d"``, ...) go to
-    torchrun as ``--nnodes 1:2 --max-restarts 1 ...`` and need ``launcher="torchrun"``.
+    ``args`` are passed to every rank's ``sys.argv``; ``cwd`` is their working directory (this
+    process's by default). ``timeout`` (seconds, None for no limit) bounds the whole run.
+    ``echo=False`` keeps the output quiet but still collects it. With ``check=True`` a failure
+    raises :class:`LaunchError`; with ``check=False`` it is returned and ``result.ok`` is False.
+    Keyword options left over (``nnodes="1:2"``, ``max_restarts=1``, ``rdzv_backend="c10d"``,
+    ...) go to torchrun as ``--nnodes 1:2 --max-restarts 1 ...`` and need ``launcher="torchrun"``;
+    so does ``nodes``: that many torchrun agents on this machine, ``nproc`` ranks each, meet
+    in one c10d rendezvous, so RANK and LOCAL_RANK differ on the second node as on a cluster.
+    ``watch(result)`` is called with what the launch has collected so far every ``watch_every``
+    seconds while the ranks run: a drill that signals a rank, a check that has judged enough.
+    An exception it raises stops every rank and comes out of here.
     """
     script = Path(script)
     if not script.is_file():
@@ -161,23 +166,27 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "warm", timeout: 
         raise ValueError(f"nproc must be a whole number of ranks >= 1, got {nproc!r}")
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
-    if torchrun_options and launcher != "torchrun":
-        raise ValueError(f"options {sorted(torchrun_options)} are torchrun options: "
+    if (torchrun_options or nodes != 1) and launcher != "torchrun":
+        raise ValueError(f"options {sorted(torchrun_options) or ['nodes']} are torchrun options: "
                          "pass launcher='torchrun' to use them")
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+        raise ValueError(f"nodes must be a whole number of nodes >= 1, got {nodes!r}")
     args = [str(a) for a in ([args] if isinstance(args, str) else args)]
 
     results_dir = Path(tempfile.mkdtemp(prefix="spike_course_results_"))
     child_env = _child_env(env, nproc, omp_threads, results_dir)
     python = python or sys.executable
-    result = LaunchResult(nproc=nproc, output={rank: [] for rank in range(nproc)})
-    view = ProgressView(nproc, results_dir, enabled=progress)
+    world = nodes * nproc
+    result = LaunchResult(nproc=world, output={rank: [] for rank in range(world)})
+    view = ProgressView(world, results_dir, enabled=progress)
     started = time.perf_counter()
     processes = {}
     try:
-        _start(launcher, python, script, args, nproc, child_env, torchrun_options, processes)
+        _start(launcher, python, script, args, (nproc, nodes), child_env, torchrun_options, processes,
+               str(cwd or os.getcwd()))
         # The clock starts with the ranks: a warm start server still importing torch (once a
         # kernel) is not the job's time.
-        _stream(processes, result, launcher, echo, timeout, time.perf_counter(), view)
+        _stream(processes, result, launcher, echo, timeout, time.perf_counter(), view, (watch, watch_every))
     finally:
         # Whatever happened (done, failed rank, timeout, KeyboardInterrupt), nothing survives.
         stop_process_tree(list(processes.values()))
@@ -190,40 +199,47 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "warm", timeout: 
         shutil.rmtree(results_dir, ignore_errors=True)
 
     for key, proc in processes.items():
-        if key != "torchrun":
+        if not _is_agent(key):
             result.returncodes[key] = proc.returncode
     if launcher == "torchrun":
-        result.agent_returncode = processes["torchrun"].returncode
+        codes = [proc.returncode for proc in processes.values()]
+        result.agent_returncode = next((code for code in codes if code != 0), 0)  # None: stopped
         _torchrun_returncodes(result)
     if check and not result.ok:
         raise _failure(result, timeout)
     return result
 
 
-def _start(launcher, python, script, args, nproc, child_env, torchrun_options, processes):
-    """Start the ranks (or the torchrun agent) into ``processes`` ({rank or "torchrun": a
-    process handle}), which the caller stops whatever happens."""
+def _start(launcher, python, script, args, shape, child_env, torchrun_options, processes, cwd):
+    """Start the ranks (or the torchrun agents, one per node) into ``processes`` ({rank, or
+    "node<N>" for an agent: a process handle}), which the caller stops whatever happens."""
+    nproc, nodes = shape
     if launcher == "torchrun":
         # Restarted workers otherwise may read the dead workers' store address and fail to
         # connect (pytorch issues 135712 and 167288): let each round start its own store.
         child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        processes["torchrun"] = _popen([python, "-m", "torch.distributed.run",
-                                        *_torchrun_flags(nproc, torchrun_options), str(script), *args],
-                                       child_env)
+        command = [python, "-m", "torch.distributed.run", *_torchrun_flags(nproc, nodes, torchrun_options),
+                   str(script), *args]
+        for node in range(nodes):
+            processes[f"node{node}"] = _popen(command, child_env, cwd)
         return
     port = str(free_port())
     rank_envs = {rank: {**_rank_env(rank, nproc), "MASTER_PORT": port} for rank in range(nproc)}
     if launcher == "warm":
-        warm_ranks = warm.start_ranks(python, str(script), args, child_env, rank_envs)
+        warm_ranks = warm.start_ranks(python, str(script), args, child_env, rank_envs, cwd)
         if warm_ranks is not None:
             processes.update(warm_ranks)
             return
     for rank, rank_env in rank_envs.items():
-        processes[rank] = _popen([python, "-u", str(script), *args], {**child_env, **rank_env})
+        processes[rank] = _popen([python, "-u", str(script), *args], {**child_env, **rank_env}, cwd)
 
 
-def _popen(command, env):
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def _is_agent(key) -> bool:
+    return isinstance(key, str)  # ranks are keyed by number, torchrun's agents by "node<N>"
+
+
+def _popen(command, env, cwd):
+    return subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
 
 
@@ -254,10 +270,19 @@ def _rank_env(rank, nproc):
             "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
 
 
-def _torchrun_flags(nproc, options):
+_RENDEZVOUS = ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "nnodes", "master_addr", "master_port")
+
+
+def _torchrun_flags(nproc, nodes, options):
     flags = [f"--nproc-per-node={nproc}", "--tee=3"]
-    if not any(key.startswith("rdzv") or key in ("nnodes", "master_addr", "master_port")
-               for key in options):
+    if nodes > 1:  # every line tagged with its global rank: two nodes both have a local rank 0
+        flags.append("--log-line-prefix-template=[${role_name}${local_rank}]:[rank${rank}]:")
+    if any(key in _RENDEZVOUS for key in options):
+        pass  # the caller's rendezvous
+    elif nodes > 1:
+        flags += [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                  "--rdzv-id=spike_course"]
+    else:
         flags.append("--standalone")
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
@@ -276,8 +301,11 @@ def _die_with_parent():
         pass
 
 
-def _stream(processes, result, launcher, echo, timeout, started, view):
-    """Read every child's output in this thread (so it lands in the running cell) until all exit."""
+def _stream(processes, result, launcher, echo, timeout, started, view, watching):
+    """Read every child's output in this thread (so it lands in the running cell) until all
+    exit, calling ``watch`` every ``watch_every`` seconds (``watching``) meanwhile."""
+    watch, watch_every = watching
+    watched_at = time.monotonic()
     selector = selectors.DefaultSelector()
     partial = {}
     for key, proc in processes.items():
@@ -290,9 +318,12 @@ def _stream(processes, result, launcher, echo, timeout, started, view):
 
     open_pipes = len(processes)
     while open_pipes:
-        open_pipes -= _read_ready(selector, partial, emit, wait=0.2)
+        open_pipes -= _read_ready(selector, partial, emit, wait=0.2 if watch is None else min(0.2, watch_every))
         view.refresh()
         _note_ends(processes, result.exit_order)
+        if watch is not None and time.monotonic() >= watched_at + watch_every:
+            watched_at = time.monotonic()
+            watch(result)
         if launcher != "torchrun" and any(processes[key].returncode != 0 for key in result.exit_order):
             # A rank died: the others would wait forever in their next collective. Its last
             # lines are in its pipe (or held by a process it started: wait 0.5 s at most).
@@ -349,12 +380,11 @@ def _emit(key, line, result, launcher, echo):
         if not match:  # the agent's own line
             result.agent_output.append(line)
             if echo:
-                print(f"[torchrun] {line}", flush=True)
+                print(f"[torchrun{'' if key == 'node0' else ' ' + key}] {line}", flush=True)
             return
         local, global_rank, text = match.groups()
         rank = int(global_rank if global_rank is not None else local)
-    else:
-        text = _TORCH_RANK_PREFIX.sub("", line)
+    text = _TORCH_RANK_PREFIX.sub("", text)
     result.output.setdefault(rank, []).append(text)
     if echo:
         print(f"[rank {rank}] {text}", flush=True)

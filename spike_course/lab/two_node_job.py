@@ -1,24 +1,21 @@
 """The capstone check's harness: the learner's script as a job of two nodes on this machine.
 
-Two torchrun agents (``--nnodes=2``, a c10d rendezvous on localhost) start one rank each (or
-``nproc_per_node``), so that RANK and LOCAL_RANK differ on the second node as they do on a
+The launcher starts two torchrun agents (``nodes=2``: a c10d rendezvous on localhost), one rank
+each (or ``per_node``), so that RANK and LOCAL_RANK differ on the second node as they do on a
 cluster. Every Python they start loads ``capstone_probe.py`` as its ``sitecustomize``,
 after an import blocker: ``spike_course`` cannot be imported, as on the cluster. What the
-ranks did comes back as :class:`Job`: their recorded events, outputs and exit codes.
+ranks did comes back as :class:`Job`: their recorded events, and the launch's result.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cluster_image import import_blocker
+from .launcher import LaunchResult, launch as launch_ranks
 
 NODES = 2
 LAUNCH_TIMEOUT = 180  # seconds; gloo would wait 30 minutes in a collective another rank never joins
@@ -27,13 +24,25 @@ MODEL_CLASS = "DigitClassifier"  # the model class of single.py, whose forwards 
 
 @dataclass
 class Job:
-    """What one launch did: events by (rank, attempt), the agents' output, how it ended."""
+    """What one launch did: events by (rank, attempt), and the launch's result (output, exits)."""
+    result: LaunchResult
     events: dict = field(default_factory=dict)
-    output: str = ""
-    returncodes: list = field(default_factory=list)
-    timed_out: bool = False
     folder: Path = Path(".")
     per_node: int = 1  # ranks per node (torchrun's --nproc-per-node)
+
+    @property
+    def timed_out(self) -> bool:
+        return self.result.timed_out
+
+    @property
+    def failed(self) -> bool:
+        return not self.result.ok
+
+    @property
+    def output(self) -> str:
+        """Every line the agents and the ranks printed, a rank's lines together."""
+        ranks = [line for rank in sorted(self.result.output) for line in self.result.output[rank]]
+        return "\n".join(self.result.agent_output + ranks)
 
     def of(self, rank, attempt, kind=None) -> list[dict]:
         return [e for e in self.events.get((rank, attempt), []) if kind is None or e["kind"] == kind]
@@ -67,51 +76,28 @@ def launch(script, folder, args, *, data, max_restarts=0, probe_env=None, watch=
     """Run ``script`` with ``args`` as a job of NODES nodes of ``per_node`` ranks each, in ``folder``.
     ``watch(job)`` is called with what the ranks recorded so far, four times a second while
     the job runs: an exception it raises stops the job and comes out of here."""
-    from .launcher import free_port, stop_process_tree
-
     folder = Path(folder)
     calls = folder / "calls"
     calls.mkdir(parents=True, exist_ok=True)
     for old in calls.iterdir():
         old.unlink()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPIKE_COURSE_", "PET_", "CAPSTONE_"))}
     # One thread per rank, as the replay uses: the same kernels give the same floats. CUDA
-    # hidden: the comparison is exact on the CPU. A restarted round gets its own store
-    # (chapter 07: pytorch issues 135712 and 167288).
-    env.update(PYTHONPATH=str(_site(folder)), CAPSTONE_LOG=str(calls), CAPSTONE_DATA=str(data),
-               CAPSTONE_MODEL=MODEL_CLASS, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(probe_env or {}))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--nproc-per-node={per_node}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=capstone",
-               # An agent whose partner already left gives up after a minute, not torch's ten.
-               "--rdzv-conf=join_timeout=60",
-               f"--max-restarts={max_restarts}", str(Path(script).resolve()), *map(str, args)]
-    logs = [open(folder / f"node{n}.log", "w") for n in range(NODES)]
-    agents = [subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
-              for log in logs]
-    deadline, timed_out = time.monotonic() + LAUNCH_TIMEOUT, False
-    try:
-        while any(agent.poll() is None for agent in agents):
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            if watch is not None:
-                watch(_read(folder, agents, timed_out=False, per_node=per_node))
-            time.sleep(0.25)
-    finally:
-        # torchrun puts its workers in their own session: stop the whole tree (a no-op once done).
-        stop_process_tree(agents)
-        for log in logs:
-            log.close()
-    return _read(folder, agents, timed_out, per_node)
+    # hidden: the comparison is exact on the CPU.
+    env = dict(PYTHONPATH=str(_site(folder)), CAPSTONE_LOG=str(calls), CAPSTONE_DATA=str(data),
+               CAPSTONE_MODEL=MODEL_CLASS, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(probe_env or {}))
+    result = launch_ranks(
+        Path(script).resolve(), per_node, args, launcher="torchrun", nodes=NODES, cwd=folder, env=env,
+        timeout=LAUNCH_TIMEOUT, check=False, echo=False, progress=False, max_restarts=max_restarts,
+        # An agent whose partner already left gives up after a minute, not torch's ten.
+        rdzv_conf="join_timeout=60",
+        watch=None if watch is None else lambda so_far: watch(_read(folder, so_far, per_node)))
+    return _read(folder, result, per_node)
 
 
-def _read(folder, agents, timed_out, per_node) -> Job:
+def _read(folder, result, per_node) -> Job:
     """The job as its files tell it now: complete event lines only, and an empty list for an
     attempt that has started but recorded nothing yet."""
-    job = Job(output="\n".join((folder / f"node{n}.log").read_text() for n in range(NODES)),
-              returncodes=[agent.poll() for agent in agents], timed_out=timed_out, folder=folder,
-              per_node=per_node)
+    job = Job(result=result, folder=folder, per_node=per_node)
     for path in sorted((folder / "calls").glob("rank*_attempt*.jsonl")):
         rank, attempt = (int(x) for x in re.findall(r"\d+", path.stem))
         events = job.events.setdefault((rank, attempt), [])

@@ -140,16 +140,16 @@ def shut_down_servers() -> None:
         _servers.pop(next(iter(_servers))).close()
 
 
-def start_ranks(python: str, script: str, args: list, env: dict, rank_envs: dict) -> dict | None:
+def start_ranks(python: str, script: str, args: list, env: dict, rank_envs: dict, cwd: str) -> dict | None:
     """Fork one rank per entry of ``rank_envs`` ({rank: its variables}) running ``script`` with
-    ``args``; {rank: WarmRank}, or None (and one printed line saying why) to start fresh."""
-    ranks, why = _fork_ranks(python, script, args, env, rank_envs)
+    ``args`` in ``cwd``; {rank: WarmRank}, or None (and one printed line saying why) to start fresh."""
+    ranks, why = _fork_ranks(python, script, args, env, rank_envs, cwd)
     if ranks is None:
         print(f"[launch] starting fresh interpreters: {why}", flush=True)
     return ranks
 
 
-def _fork_ranks(python, script, args, env, rank_envs) -> tuple[dict | None, str]:
+def _fork_ranks(python, script, args, env, rank_envs, cwd) -> tuple[dict | None, str]:
     why = unavailable_reason(env)
     if why:
         return None, why
@@ -160,7 +160,7 @@ def _fork_ranks(python, script, args, env, rank_envs) -> tuple[dict | None, str]
     envs = {rank: {**env, **extra} for rank, extra in rank_envs.items()}
     try:
         job = WarmJob(server.open_launch())
-        ranks = job.start(script, args, os.getcwd(), envs)
+        ranks = job.start(script, args, cwd, envs)
         why = f"the warm start server refused to fork ({job.refused})"
     except OSError as error:  # it died since the last launch (killed, out of memory)
         ranks, why = None, f"the warm start server stopped ({error})"
