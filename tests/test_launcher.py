@@ -157,6 +157,8 @@ def test_unknown_launcher_and_misplaced_torchrun_options(worker):
         launch(worker(HELLO), launcher="mpirun")
     with pytest.raises(ValueError, match="launcher='torchrun'"):
         launch(worker(HELLO), max_restarts=1)
+    with pytest.raises(ValueError, match=r"\['nodes'\] are torchrun options"):
+        launch(worker(HELLO), nodes=2)
 
 
 def test_two_launches_at_the_same_time(worker, no_orphans):
@@ -474,3 +476,40 @@ def test_the_launch_cell_and_the_check_name_the_same_failed_rank():
     assert str(_failure(result, 10)).startswith("rank 1 failed with exit code 1")
     with pytest.raises(CheckFailed, match=r"rank 1 failed \(exit code 1\) before it reported: ValueError: the batch"):
         launch_reports(result, "the worker")
+
+
+WHERE = """
+import os, time
+from spike_course import runtime
+ctx = runtime.setup()
+print(f"rank {ctx.rank} local {os.environ['LOCAL_RANK']} node {os.environ['GROUP_RANK']} in {os.getcwd()}")
+runtime.teardown()
+"""
+
+
+def test_two_nodes_under_torchrun_number_their_ranks_as_a_cluster_does(worker, no_orphans, tmp_path):
+    result = launch(worker(WHERE), nproc=2, launcher="torchrun", nodes=2, cwd=tmp_path, echo=False)
+    assert result.ok and sorted(result.output) == [0, 1, 2, 3]
+    said = {rank: lines[0].split() for rank, lines in result.output.items()}
+    assert {rank: (int(words[3]), int(words[5])) for rank, words in said.items()} == \
+        {0: (0, 0), 1: (1, 0), 2: (0, 1), 3: (1, 1)}  # LOCAL_RANK and the node, each line under its rank
+    assert all(words[-1] == str(tmp_path) for words in said.values())
+
+
+class Enough(Exception):
+    pass
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_what_watch_raises_stops_every_rank_and_comes_out(worker, no_orphans, launcher):
+    seen = []
+
+    def watch(result):
+        seen.append(sum(len(lines) for lines in result.output.values()))
+        if seen[-1]:  # a rank said it is about to hang: judged enough
+            raise Enough
+
+    started = time.monotonic()
+    with pytest.raises(Enough):
+        launch(worker(HANG), nproc=2, launcher=launcher, echo=False, watch=watch, watch_every=0.05, timeout=60)
+    assert time.monotonic() - started < 30 and seen[-1] > 0

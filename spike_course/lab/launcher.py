@@ -172,6 +172,8 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "warm", timeout: 
     if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
         raise ValueError(f"nodes must be a whole number of nodes >= 1, got {nodes!r}")
     args = [str(a) for a in ([args] if isinstance(args, str) else args)]
+    if cwd is not None:
+        script = script.resolve()  # named from here, run from there
 
     results_dir = Path(tempfile.mkdtemp(prefix="spike_course_results_"))
     child_env = _child_env(env, nproc, omp_threads, results_dir)
