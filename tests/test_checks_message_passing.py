@@ -121,48 +121,57 @@ def test_a_wrong_result_the_table_does_not_know_is_described_not_named():
     assert "broadcast" not in said and "partial" not in said and "missing" not in said
 
 
-def _exchange(comm, data, *, src_step=-1, dst_step=1, style="irecv", give="received"):
-    n = comm.size
-    left, right = (comm.rank + src_step) % n, (comm.rank + dst_step) % n
-    if style == "recv first":
-        got = comm.recv(left)
-        comm.send(data, right)
-    elif style == "send first":
-        comm.send(data, right)
-        got = comm.recv(left)
-    else:
-        request = comm.irecv(left)
-        comm.send(data, right)
-        got = request.wait()
-    return {"received": got, "own": data, "none": None}[give]
+def _all_to_all(comm, items, *, order="receives first", send="theirs", place="by sender", to_self=False):
+    """A correct all-to-all, or one with a planted mistake."""
+    others = [peer for peer in range(comm.size) if peer != comm.rank or to_self]
+    if order == "blocking receives first":
+        got = {peer: comm.recv(peer) for peer in others}
+    posted = {peer: comm.irecv(peer) for peer in others} if order == "receives first" else {}
+    for peer in others:
+        comm.send({"theirs": items[peer], "mine": items[comm.rank], "all": items}[send], peer)
+    if order == "blocking sends first":
+        got = {peer: comm.recv(peer) for peer in others}
+    elif order == "receives first":
+        got = {peer: request.wait() for peer, request in posted.items()}
+    own = items[comm.rank] if place != "own first of nothing" else None
+    if place == "by sender":
+        return [own if peer == comm.rank else got[peer] for peer in range(comm.size)]
+    if place == "own first":
+        return [own] + [got[peer] for peer in others]
+    return [None if peer == comm.rank else got[peer] for peer in range(comm.size)] if place == "own dropped" else None
 
 
-def test_exchange_check_passes_a_right_answer(capsys):
-    checks.check_exchange(_exchange)
-    assert "check passed" in capsys.readouterr().out
-
-
-def _sends_twice(comm, data):
-    left, right = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
-    requests = [comm.isend(data, right) for _ in range(2)]
-    got = [comm.recv(left) for _ in range(2)][0]
-    for request in requests:
-        request.wait()
+def _in_rounds(comm, items):
+    """Another right answer: in round k, receive from rank - k (posted first) while sending to rank + k."""
+    n, got = comm.size, list(items)
+    for k in range(1, n):
+        request = comm.irecv((comm.rank - k) % n)
+        comm.send(items[(comm.rank + k) % n], (comm.rank + k) % n)
+        got[(comm.rank - k) % n] = request.wait()
     return got
 
 
+@pytest.mark.parametrize("answer", [_all_to_all, _in_rounds])
+def test_the_all_to_all_check_passes_right_answers(answer, capsys):
+    checks.check_all_to_all(answer)
+    assert "check passed" in capsys.readouterr().out
+
+
 EXCHANGE_PLANTED = {
-    "receive first": (lambda c, d: _exchange(c, d, style="recv first"), ["every rank blocks in recv", "Hint 1"]),
-    "blocking send first": (lambda c, d: _exchange(c, d, style="send first"),
-                            ["every rank blocks in a blocking send", "Hint 1"]),
-    "own data returned": (lambda c, d: _exchange(c, d, give="own"), ["its own data"]),
-    "nothing returned": (lambda c, d: _exchange(c, d, give="none"), ["returned None"]),
-    "neighbours swapped": (lambda c, d: _exchange(c, d, src_step=1, dst_step=-1), ["right neighbour (rank + 1) % N"]),
-    "more than one message": (_sends_twice, ["sent [2, 2] messages"]),
+    "receive first": (lambda c, i: _all_to_all(c, i, order="blocking receives first"), ["blocks in a receive", "Hint 1"]),
+    "blocking send first": (lambda c, i: _all_to_all(c, i, order="blocking sends first"),
+                            ["every rank blocks in a send", "Hint 1"]),
+    "nothing returned": (lambda c, i: _all_to_all(c, i, place="none"), ["returned NoneType"]),
+    "own items returned": (lambda c, i: list(i), ["returned the items it had for the others"]),
+    "whole list sent": (lambda c, i: _all_to_all(c, i, send="all"), ["received whole lists"]),
+    "own slot sent to all": (lambda c, i: _all_to_all(c, i, send="mine"), ["rank j sent items[j]"]),
+    "own item misplaced": (lambda c, i: _all_to_all(c, i, place="own dropped"), ["own place holds nothing"]),
+    "out of order": (lambda c, i: _all_to_all(c, i, place="own first"), ["in another order", "from ranks [1, 0]"]),
+    "not one message per peer": (lambda c, i: _all_to_all(c, i, to_self=True), ["sent [2, 2] messages"]),
 }
 CHECK_MODULE, PLANTS = message_passing, {**TREE_PLANTED, **EXCHANGE_PLANTED}  # tests/named.py
 CHECK_OF = {**{name: "check_tree_allreduce" for name in TREE_PLANTED},
-            **{name: "check_exchange" for name in EXCHANGE_PLANTED}}
+            **{name: "check_all_to_all" for name in EXCHANGE_PLANTED}}
 
 
 @pytest.mark.parametrize("name", PLANTS)

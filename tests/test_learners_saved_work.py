@@ -11,7 +11,6 @@ summary names the notebooks that differ on disk.
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -29,7 +28,6 @@ ANSWERED = ["01_message_passing", "02_distributed_sampling", "03_data_parallel"]
 # The tests that read notebooks and start no process: make quick's part of them.
 READERS = ["tests/test_notebooks.py", "tests/test_exercises.py", "tests/test_rubric.py",
            "tests/test_taught_code.py", "tests/test_hello_mpi_c.py"]
-MARKER = re.compile(r"^[ \t]*### (BEGIN|END) SOLUTION.*\n", re.M)
 
 
 def _saved_by_jupyterlab(notebook, first_count=1):
@@ -56,7 +54,7 @@ def _answered(stem):
     notebook = exercises.make_exercise(solution, f"{stem}.ipynb")
     for cell, worked in zip(notebook.cells, solution.cells):
         if conventions.has_solution(worked):
-            cell.source = MARKER.sub("", worked.source)
+            cell.source = conventions.without_markers(worked.source)
     return _saved_by_jupyterlab(notebook)
 
 

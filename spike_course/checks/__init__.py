@@ -17,7 +17,7 @@ from .ch08_communication import check_dgx_prediction
 from .ch03_data_parallel import check_distributed_accuracy, check_flat_allreduce
 from .ch09_federated import check_fedavg
 from .ch07_launching import check_resharded_resume
-from .ch01_message_passing import check_tree_allreduce, check_exchange
+from .ch01_message_passing import check_all_to_all, check_tree_allreduce
 from .ch04_pipeline import check_gpipe_schedule, check_pipeline_gradients
 from .ch04_pipeline_training import check_pipeline_training
 from .ch02_sampling import check_sampler

@@ -1,4 +1,4 @@
-"""Exercise checks for chapter 01: message passing (tree all-reduce, deadlock-free exchange)."""
+"""Exercise checks for chapter 01: message passing (tree all-reduce, an all-to-all that cannot deadlock)."""
 
 from __future__ import annotations
 
@@ -246,66 +246,104 @@ def check_tree_allreduce(fn) -> None:
 # report follows each message).
 DEADLOCK_MISTAKES = (
     Mistake("receive first", lambda n, waits, error: bool(waits) and all(w.startswith("recv(") for w in waits),
-            lambda n, waits, error: f"deadlock on {n} ranks: every rank blocks in recv before anyone has sent, so "
-                                    "no rank reaches its send: the first call must not wait for the neighbour (Hint "
-                                    f"1; the calls that return at once are in Hint 2).\n{error}"),
+            lambda n, waits, error: f"deadlock on {n} ranks: every rank blocks in a receive before anyone has sent, "
+                                    "so no rank reaches a send: the first calls must not wait (Hint 1; the calls "
+                                    f"that return at once are in Hint 2).\n{error}"),
     Mistake("blocking send first", lambda n, waits, error: bool(waits) and all(w.startswith("send(") for w in waits),
-            lambda n, waits, error: f"deadlock on {n} ranks: every rank blocks in a blocking send: a message too "
-                                    "large to buffer waits until its receiver posts the recv, and every receiver "
-                                    "is itself sending (Hint 1; the calls that return at once are in Hint "
-                                    f"2).\n{error}"),
+            lambda n, waits, error: f"deadlock on {n} ranks: every rank blocks in a send: a message too large to "
+                                    "buffer waits until its receiver has posted the receive, and every receiver is "
+                                    f"itself sending (Hint 1).\n{error}"),
 )
 
-# What a rank returned instead of its left neighbour's data (inputs[rank] is what it sent).
-EXCHANGE_MISTAKES = (
-    Mistake("nothing returned", lambda n, rank, got, inputs: got is None,
-            lambda n, rank, got, inputs: f"rank {rank} returned None: return what it received, which waiting for a "
-                                         "posted receive gives back (Hint 2)."),
-    Mistake("own data returned", lambda n, rank, got, inputs: _same(got, inputs[rank]),
-            lambda n, rank, got, inputs: f"rank {rank} returned its own data: return what it received from its "
-                                         "left neighbour, not what it sent."),
-    Mistake("neighbours swapped", lambda n, rank, got, inputs: _same(got, inputs[(rank + 1) % n]),
-            lambda n, rank, got, inputs: f"on {n} ranks rank {rank} got the data of rank {(rank + 1) % n}: send to "
-                                         "the right neighbour (rank + 1) % N and receive from the left one "
-                                         "(rank - 1) % N."),
+
+class _Received:
+    """What rank ``rank`` of ``n`` returned (``got``), against what each rank had for it: on
+    rank s, ``items[j]`` is filled with 100 s + j, so a value says who sent it and for whom."""
+
+    def __init__(self, n, rank, got):
+        import numpy as np
+
+        self.n, self.rank, self.got = n, rank, got
+        self.values = None
+        if isinstance(got, (list, tuple)) and len(got) == n:
+            try:
+                self.values = [float(np.asarray(item, dtype=float).flat[0]) if np.ndim(item) == 1 else None
+                               for item in got]
+            except (TypeError, ValueError):  # not numbers
+                self.values = None
+        self.expected = [100.0 * sender + rank for sender in range(n)]
+
+    @property
+    def whole_lists(self) -> bool:
+        import numpy as np
+
+        return isinstance(self.got, (list, tuple)) and any(np.ndim(item) == 2 for item in self.got
+                                                           if not isinstance(item, str))
+
+
+ALL_TO_ALL_MISTAKES = (
+    Mistake("nothing returned", lambda x: not isinstance(x.got, (list, tuple)) or len(x.got) != x.n,
+            lambda x: f"on {x.n} ranks rank {x.rank} returned {type(x.got).__name__}"
+                      + (f" of {len(x.got)}" if isinstance(x.got, (list, tuple)) else "")
+                      + f": it must return a list of {x.n} arrays, one from each rank, its own among them."),
+    Mistake("own items returned", lambda x: x.values == [100.0 * x.rank + j for j in range(x.n)] != x.expected,
+            lambda x: f"on {x.n} ranks rank {x.rank} returned the items it had for the others: what it was owed "
+                      "is what the others had for it, which only messages bring."),
+    Mistake("whole list sent", lambda x: x.whole_lists,
+            lambda x: f"on {x.n} ranks rank {x.rank} received whole lists: each rank sent all its items to every "
+                      "rank, where each peer is owed only the one item meant for it."),
+    Mistake("own slot sent to all", lambda x: x.values is not None and all(
+                x.values[j] == 101.0 * j for j in range(x.n) if j != x.rank),
+            lambda x: f"on {x.n} ranks every rank sent rank {x.rank} the item at its own place in the list "
+                      "(rank j sent items[j]): a rank owes each peer the item at the peer's place."),
+    Mistake("out of order", lambda x: x.values is not None and x.values != x.expected
+            and sorted(v for v in x.values if v is not None) == sorted(x.expected),
+            lambda x: f"on {x.n} ranks rank {x.rank} holds every item it is owed, but in another order "
+                      f"(from ranks {[_sender(v) for v in x.values]} at places 0-{x.n - 1}): the item from "
+                      "rank j belongs at place j."),
+    Mistake("own item misplaced", lambda x: x.values is not None and x.values[x.rank] != x.expected[x.rank],
+            lambda x: f"on {x.n} ranks rank {x.rank}'s own place holds {_value(x.values[x.rank])}: a rank keeps "
+                      "its own item, at its own place in the list, without a message."),
 )
 
-SENT_MORE_THAN_ONCE = Mistake(
-    "more than one message", lambda n, counts: counts != [1] * n,
-    lambda n, counts: f"on {n} ranks the ranks sent {counts} messages: each sends exactly one, to its right "
-                      "neighbour.")
+SENT_OTHER_THAN_ONE_EACH = Mistake(
+    "not one message per peer", lambda n, counts: counts != [n - 1] * n,
+    lambda n, counts: f"on {n} ranks the ranks sent {counts} messages: one to every other rank, {n - 1} each "
+                      "(a rank's own item needs no message).")
 
 
-def _same(got, expected) -> bool:
-    import numpy as np
-
-    got = np.asarray(got, dtype=float)
-    return got.shape == expected.shape and np.array_equal(got, expected)
+def _sender(value) -> int | None:
+    return None if value is None else int(value // 100)
 
 
-def check_exchange(fn) -> None:
-    """``fn(comm, data)`` must send ``data`` to rank (rank + 1) % N and return what rank
-    (rank - 1) % N sent, on 2-4 ranks, with no send buffered (every send waits for its
-    receive), without deadlocking."""
+def _value(value) -> str:
+    return "nothing" if value is None else f"the item rank {_sender(value)} had for rank {int(value % 100)}"
+
+
+def check_all_to_all(fn) -> None:
+    """``fn(comm, items)`` must return, on rank r, the list of what each rank had for r (its
+    ``items[r]``), on 2-5 ranks with no send buffered, without deadlocking, sending one message
+    to every other rank."""
     import numpy as np
 
     from ..mpi_sim import DeadlockError, World
 
-    for n in (2, 3, 4):
-        inputs = [np.full(1000, float(r)) for r in range(n)]
+    for n in (2, 3, 4, 5):
+        inputs = [[np.full(1000, 100.0 * sender + j) for j in range(n)] for sender in range(n)]
         world = World(n, eager_limit=0)
-        try:
-            results = _run_simulated(world, fn, inputs, "exchange")
+        try:  # what a rank returns is compared with 100 * sender + place, whatever it did to its items
+            results = _run_simulated(world, fn, inputs, "all_to_all")
         except DeadlockError as error:
             name_the_first(DEADLOCK_MISTAKES, n, list(error.waiting.values()), error)
             raise CheckFailed(f"deadlock on {n} ranks: the ranks wait for each other; the simulator's report "
                               f"follows.\n{error}") from error
         for rank, got in enumerate(results):
-            if got is not None and _same(got, inputs[(rank - 1) % n]):
+            received = _Received(n, rank, got)
+            if received.values == received.expected:
                 continue
-            name_the_first(EXCHANGE_MISTAKES, n, rank, got, inputs)
-            raise CheckFailed(f"on {n} ranks rank {rank} returned something else than the data of "
-                              f"rank {(rank - 1) % n}, its left neighbour.")
-        name_the_first((SENT_MORE_THAN_ONCE,), n, world.messages_per_rank())
-    passed("exchange: every rank got its left neighbour's data on 2-4 ranks, one message each, "
+            name_the_first(ALL_TO_ALL_MISTAKES, received)
+            raise CheckFailed(f"on {n} ranks rank {rank} returned {received.values or got!r:.300}, where place j "
+                              f"holds the item rank j had for it ({received.expected}, as 100 * sender + place).")
+        name_the_first((SENT_OTHER_THAN_ONE_EACH,), n, world.messages_per_rank())
+    passed("all-to-all: every rank got the item each rank had for it, on 2-5 ranks, one message per peer, "
            "and no deadlock even when no send is buffered")
