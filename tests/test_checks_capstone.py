@@ -142,6 +142,8 @@ MISTAKES = {
     "another order after the restart": ([("sampler.set_epoch(epoch)", "sampler.set_epoch(epoch + start_epoch)")],
                                         "another order than before the crash"),
     "no destroy_process_group": ([("    dist.destroy_process_group()\n", "")], "never called destroy_process_group"),
+    "metrics lost at the restart": ([('with open(args.metrics, "a") as log:', 'with open(args.metrics, "w") as log:')],
+                                    r"holds epochs \[\d\] of 2"),
 }
 
 # Mistakes that only a GPU node shows: the check's pretend-GPU start names them.
@@ -170,7 +172,7 @@ GROUPS = [
     ["train mode dropped", "every rank prints", "written in place", "no barrier", "whole test set everywhere",
      "gloo on GPUs", "a GPU from RANK (DDP's device_ids)"],
     ["set_epoch forgotten", "copied, not renamed", "no set_device",
-     "no destroy_process_group"],
+     "no destroy_process_group", "metrics lost at the restart"],
     ["metric not all-reduced", "no map_location", "device_ids not a list", "a GPU the node does not have"],
     ["another order after the restart", "scheduler not restored", "a GPU from RANK (set_device)"],
 ]
@@ -308,5 +310,16 @@ def test_runai_mistakes_are_named(name):
         check_capstone_submit(line(**changes))
 
 
+def test_an_epoch_logged_twice_is_named():
+    """A made-up log (no launch): the restart went on from the checkpoint's own epoch and logged it again."""
+    from spike_course.lab.launcher import LaunchResult
+
+    job = capstone.two_node_job.Job(result=LaunchResult(nproc=2))
+    entries = [{"epoch": 0}, {"epoch": 0}, {"epoch": 1}]
+    with names("an epoch logged twice", says=r"holds epochs \[0, 0, 1\]"):
+        capstone._judge_table(capstone.METRICS_MISTAKES, job, entries)
+
+
 PLANTS = {**ALL_MISTAKES, **SUBMIT_PLANTS, "never joined a process group": "test_the_unconverted_script_is_named",
+          "an epoch logged twice": "test_an_epoch_logged_twice_is_named",
           "a rank waits for ever": "test_a_hanging_rank_is_stopped_with_a_clear_message"}

@@ -756,11 +756,36 @@ def _weights_match(job, before, after, state, data):
     return at_restart, final
 
 
+def _logged_epochs(entries) -> list:
+    return [entry.get("epoch") for entry in entries]
+
+
+def _metrics_truncated(job) -> bool:
+    """Whether a rank opened the metrics log for writing from its start ("w"), not appending."""
+    return any(Path(str(e["path"])).name == "metrics.jsonl" and "w" in str(e["mode"]) for e in job.every("open"))
+
+
+# What the metrics log holds at the end (readings: the job, its entries).
+METRICS_MISTAKES = (
+    Mistake("metrics lost at the restart",
+            lambda job, entries: len(entries) < EPOCHS and _metrics_truncated(job),
+            lambda job, entries: f"the metrics log holds epochs {_logged_epochs(entries)} of {EPOCHS}: what the first "
+                                 "attempt logged before the crash is gone. A restarted job starts the script again: "
+                                 "what it opens for writing must keep what is already there (hint 5)."),
+    Mistake("an epoch logged twice",
+            lambda job, entries: len(set(map(str, _logged_epochs(entries)))) < len(entries),
+            lambda job, entries: f"the metrics log holds epochs {_logged_epochs(entries)}: an epoch's evaluation is "
+                                 "logged more than once, so a plot of the run counts it twice. After a restart, the "
+                                 "job goes on from the epoch after the checkpoint's (hint 5)."),
+)
+
+
 def _metrics_logged(job, folder, weights, data):
     epoch0, final = weights
     path = folder / "metrics.jsonl"
     entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     if len(entries) != EPOCHS:
+        _judge_table(METRICS_MISTAKES, job, entries)
         _fail(job, f"rank 0 logged {len(entries)} evaluations to --metrics, for {EPOCHS} epochs with a restart "
                    "in between: one line per epoch, none repeated.")
     _reported_accuracy(job, entries[0], epoch0, data)
