@@ -89,14 +89,22 @@ def test_an_answer_hard_coded_for_the_small_traces_fails_on_other_ones():
 
 
 DIAGNOSIS_MISTAKES = {
-    "names the victim": ("stuck = min(last, key=last.get)", "stuck = max(last, key=last.get)", "victim"),
-    "counts entries": ('last = {rank: max(e["collective_seq_id"] for e in dump["fr"]["entries"])',
-                       'last = {rank: len(dump["fr"]["entries"])', "counting entries"),
-    "off by one": ("seq = last[stuck] + 1", "seq = last[stuck]", "the last one rank 2 entered"),
-    "newest collective": ("seq = last[stuck] + 1", "seq = max(last.values())", "newest one a waiting rank"),
+    "names the victim": ("stuck = min(set(dumps) - waiting)", "stuck = min(waiting)", "victim"),
+    "counts entries": ('last[key] = max(last.get(key, 0), e["collective_seq_id"])', "last[key] = last.get(key, 0) + 1",
+                       "counting entries"),
+    "off by one": ("g, s + 1) for (g, r)", "g, s) for (g, r)", "the last one rank 2 entered"),
+    "newest collective": ("g, s + 1) for (g, r)", "g, max(last.values())) for (g, r)", "newest one a waiting rank"),
     "outermost frame": ('stack"].splitlines()[1]', 'stack"].splitlines()[-1]', "OUTERMOST frame"),
     "a waiting rank's stack": ('innermost = dumps[stuck]["stack"]', 'innermost = dumps[0]["stack"]',
                                "waiting rank's stack"),
+    # The lecture's reading, made for one process group, on the check's dumps of two tensor-parallel pairs:
+    "seqs compared across groups": ('key = (e["process_group"][0], rank)', 'key = ("0", rank)',
+                                    "each numbers its own collectives"),
+    "the default group only": ('for e in dump["fr"]["entries"]:',
+                               'for e in [e for e in dump["fr"]["entries"] if e["process_group"][0] == "0"]:',
+                               "least far in the default group"),
+    "the default group named": ('return {"rank": stuck, "group": group,', 'return {"rank": stuck, "group": "0",',
+                                "in another process group"),
 }
 
 
@@ -113,6 +121,8 @@ CHECK_MODULE, PLANTS = profiling, {**STRAGGLER_MISTAKES, **DIAGNOSIS_MISTAKES}  
 def test_a_malformed_answer_is_named():
     with pytest.raises(CheckFailed, match="return a dict"):
         check_hang_diagnosis(lambda dumps: (2, 31))
+    with pytest.raises(CheckFailed, match="keys 'rank', 'group'"):
+        check_hang_diagnosis(lambda dumps: {"rank": 2, "seq": 31, "op": "gloo:all_reduce", "stuck_in": "read_shard"})
 
 
 def test_the_checks_own_reference_is_not_an_answer():

@@ -215,29 +215,71 @@ def check_straggler(find_straggler, traces: dict | None = None) -> None:
 
 # --- hang dumps ---
 
-def _last_seq(dump, group="0") -> int:
-    seqs = [e["collective_seq_id"] for e in dump["fr"]["entries"] if e["process_group"][0] == group]
-    return max(seqs) if seqs else 0
-
-
 def _frames(stack: str) -> list[str]:
     """Function names of a py-spy style stack, innermost first."""
     return [line.strip().split(" (")[0] for line in stack.splitlines()[1:] if line.strip()]
 
 
+def _lasts(dumps: dict) -> dict:
+    """{(group, rank): the highest collective_seq_id the rank entered in that process group}."""
+    last = {}
+    for rank, dump in dumps.items():
+        for entry in dump["fr"]["entries"]:
+            key = (entry["process_group"][0], rank)
+            last[key] = max(last.get(key, 0), entry["collective_seq_id"])
+    return last
+
+
+def _missing(last: dict, group: str, seq: int) -> set:
+    """The ranks of ``group`` that never entered its collective ``seq``, if another rank did."""
+    members = {rank: s for (g, rank), s in last.items() if g == group}
+    return {rank for rank, s in members.items() if s < seq} if max(members.values()) >= seq else set()
+
+
 def _diagnose(dumps: dict) -> dict:
-    last = {rank: _last_seq(dump) for rank, dump in dumps.items()}
-    culprit = min(last, key=lambda r: (last[r], r))
-    seq = last[culprit] + 1
+    """The rank that waits for no one while others wait (each in the newest collective it
+    entered, one that a rank of its group never entered), and the collective only it is missing."""
+    last = _lasts(dumps)
+    waiting = {rank for (group, rank), seq in last.items() if _missing(last, group, seq)}
+    culprit = min(set(dumps) - waiting)
+    group, seq = next((g, s + 1) for (g, rank), s in sorted(last.items())
+                      if rank == culprit and _missing(last, g, s + 1) == {culprit})
     op = next(e["profiling_name"] for d in dumps.values() for e in d["fr"]["entries"]
-              if e["collective_seq_id"] == seq and e["process_group"][0] == "0")
-    return {"rank": culprit, "seq": seq, "op": op, "stuck_in": _frames(dumps[culprit]["stack"])[0]}
+              if e["collective_seq_id"] == seq and e["process_group"][0] == group)
+    return {"rank": culprit, "group": group, "seq": seq, "op": op, "stuck_in": _frames(dumps[culprit]["stack"])[0]}
 
 
-def _entry(seq, size, record):
-    return {"record_id": record, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq,
+def _entry(seq, size, record, group=("0", "default_pg")):
+    return {"record_id": record, "pg_id": int(group[0]), "process_group": group, "collective_seq_id": seq,
             "p2p_seq_id": 0, "op_id": seq, "profiling_name": "gloo:all_reduce" if size else "gloo:barrier",
             "input_sizes": [[size]] if size else [], "state": "scheduled", "retired": True, "is_p2p": False}
+
+
+_WAITING_STACK = "\n".join(['Thread {pid} "MainThread"', "    wait (distributed_c10d.py:3100)",
+                            "    all_reduce (distributed_c10d.py:3913)", "    train_step (job.py:58)",
+                            "    main (job.py:90)", "    <module> (job.py:97)"])
+_STUCK_STACK = "\n".join(['Thread {pid} "MainThread"', "    read_shard (job.py:31)", "    next_batch (job.py:44)",
+                          "    main (job.py:86)", "    <module> (job.py:97)"])
+
+
+def two_group_dumps() -> dict:
+    """Four ranks in two tensor-parallel pairs, (0, 1) in group 1 and (2, 3) in group 2, one
+    all-reduce per step in pair 1, three in pair 2, then the data-parallel all-reduce in the
+    default group 0. Rank 3 got stuck reading its data before step 11: rank 2 waits in pair 2's
+    collective 31, ranks 0 and 1 in the default group's 11 (for ranks 2 and 3). Comparing
+    collective_seq_ids across groups, or reading the default group alone, names a victim."""
+    pairs = {0: ("1", "tp 0-1", 1), 1: ("1", "tp 0-1", 1), 2: ("2", "tp 2-3", 3), 3: ("2", "tp 2-3", 3)}
+    last = {0: (11, 11), 1: (11, 11), 2: (31, 10), 3: (30, 10)}  # (in its pair, in the default group)
+    dumps = {}
+    for rank, (in_pair, in_default) in last.items():
+        group, name, per_step = pairs[rank]
+        timed = [(-(-seq // per_step) * 10 + (seq - 1) % per_step, seq, (group, name)) for seq in range(1, in_pair + 1)]
+        timed += [(step * 10 + 5, step, ("0", "default_pg")) for step in range(1, in_default + 1)]
+        entries = [_entry(seq, 18816 if pg[0] != "0" else 1181066, record, pg)
+                   for record, (_, seq, pg) in enumerate(sorted(timed))]  # oldest first, as recorded
+        dumps[rank] = {"rank": rank, "fr": {"entries": entries, "pg_status": {}},
+                       "stack": (_STUCK_STACK if rank == 3 else _WAITING_STACK).format(pid=4000 + rank)}
+    return dumps
 
 
 def synthetic_dumps(buffer_size: int | None = None) -> dict:
@@ -245,18 +287,13 @@ def synthetic_dumps(buffer_size: int | None = None) -> dict:
     0 and 1 have started two more all-reduces (DDP's buckets), rank 3 one. ``buffer_size``:
     each flight recorder keeps only its newest entries, as TORCH_FR_BUFFER_SIZE does."""
     sizes = [1181066, 18816, 1]
-    waiting = "\n".join(['Thread {pid} "MainThread"', "    wait (distributed_c10d.py:3100)",
-                         "    all_reduce (distributed_c10d.py:3913)", "    train_step (job.py:58)",
-                         "    main (job.py:90)", "    <module> (job.py:97)"])
-    stuck = "\n".join(['Thread {pid} "MainThread"', "    read_shard (job.py:31)", "    next_batch (job.py:44)",
-                       "    main (job.py:86)", "    <module> (job.py:97)"])
     dumps = {}
     for rank, last in {0: 32, 1: 32, 2: 30, 3: 31}.items():
         entries = [_entry(seq, sizes[(seq - 1) % 3], seq - 1) for seq in range(1, last + 1)]
         if buffer_size:
             entries = entries[-buffer_size:]
         dumps[rank] = {"rank": rank, "fr": {"entries": entries, "pg_status": {}},
-                       "stack": (stuck if rank == 2 else waiting).format(pid=4000 + rank)}
+                       "stack": (_STUCK_STACK if rank == 2 else _WAITING_STACK).format(pid=4000 + rank)}
     return dumps
 
 
@@ -270,12 +307,11 @@ def _diagnosis_of(diagnose, name: str, dumps: dict) -> dict:
     except Exception as error:
         raise CheckFailed(
             f"{name}: diagnose() raised {type(error).__name__}: {error}. A collective looked up by a "
-            "collective_seq_id that no rank recorded usually means the rank or the seq is wrong: the stuck "
-            "rank is the one whose last collective_seq_id is the lowest (not the one with the fewest entries, "
-            "so no counting entries: the recorder keeps only the newest TORCH_FR_BUFFER_SIZE), and the others "
-            "wait in the next one.") from error
-    if not isinstance(got, dict) or not {"rank", "seq", "op", "stuck_in"} <= set(got):
-        raise CheckFailed(f"diagnose() returned {got!r}: return a dict with keys 'rank', 'seq', 'op' and 'stuck_in'")
+            "collective_seq_id that no rank recorded in that process group usually means the rank, the group or "
+            "the seq is wrong (Hint 1).") from error
+    if not isinstance(got, dict) or not {"rank", "group", "seq", "op", "stuck_in"} <= set(got):
+        raise CheckFailed(f"diagnose() returned {got!r}: return a dict with keys 'rank', 'group', 'seq', 'op' and "
+                          "'stuck_in'")
     return got
 
 
@@ -286,9 +322,16 @@ class _Case:
     def __init__(self, name: str, dumps: dict, got: dict):
         self.name, self.dumps, self.got = name, dumps, got
         self.expected = _diagnose(dumps)
-        self.culprit = self.expected["rank"]
-        self.last = {rank: _last_seq(d) for rank, d in dumps.items()}  # the last collective each entered
+        self.culprit, self.group = self.expected["rank"], self.expected["group"]
+        lasts = _lasts(dumps)
+        self.groups = sorted({group for group, _ in lasts})
+        # the last collective each rank of the culprit's group entered there
+        self.last = {rank: seq for (group, rank), seq in lasts.items() if group == self.group}
         self.counts = {rank: len(d["fr"]["entries"]) for rank, d in dumps.items()}
+        newest = {rank: max(s for (_, r), s in lasts.items() if r == rank) for rank in dumps}
+        self.lowest_anywhere = min(newest, key=lambda rank: (newest[rank], rank))  # seqs of all groups as one
+        default = {rank: seq for (group, rank), seq in lasts.items() if group == "0"}
+        self.lowest_in_default = min(default, key=lambda rank: (default[rank], rank)) if default else None
 
     def frames(self, rank) -> list[str]:
         return _frames(self.dumps[rank]["stack"])
@@ -298,6 +341,16 @@ class _Case:
 # recorder holds as many entries (they wrapped), a reading that counts entries names a rank by
 # chance, so that is told first; a rank that entered later collectives than the culprit waits in one.
 RANK_MISTAKES = (
+    Mistake("seqs compared across groups",
+             lambda c: len(c.groups) > 1 and c.got["rank"] == c.lowest_anywhere != c.culprit,
+             lambda c: f"{c.name}: you named rank {c.got['rank']}, whose collectives have the lowest numbers, but "
+                       f"these dumps hold {len(c.groups)} process groups ({', '.join(c.groups)}) and each numbers its "
+                       "own collectives: a number says how far a rank got in one group only (Hint 1)."),
+    Mistake("the default group only",
+             lambda c: len(c.groups) > 1 and c.got["rank"] == c.lowest_in_default != c.culprit,
+             lambda c: f"{c.name}: you named rank {c.got['rank']}, which got least far in the default group, but "
+                       "it is waiting too: in another group, for a rank of its own group. Which rank waits for no "
+                       "one (Hint 1)?"),
     Mistake("counts entries",
              lambda c: len(set(c.counts.values())) == 1,
              lambda c: f"{c.name}: you named rank {c.got['rank']}, but every rank's flight recorder holds "
@@ -306,10 +359,9 @@ RANK_MISTAKES = (
                        "number of the collective within its process group."),
     Mistake("names the victim",
              lambda c: c.last.get(c.got["rank"], -1) > c.last[c.culprit],
-             lambda c: f"{c.name}: rank {c.got['rank']} entered collective {c.last[c.got['rank']]} and is waiting "
-                       "there; it is a victim, not the cause (its timeout error is only the echo). The rank that "
-                       "holds the job up is the one whose last collective_seq_id is the lowest: rank "
-                       f"{c.culprit} stopped at {c.last[c.culprit]}."),
+             lambda c: f"{c.name}: rank {c.got['rank']} entered collective {c.last[c.got['rank']]} of group "
+                       f"{c.group}, which rank {c.culprit} never entered, and is waiting there: a victim, not the "
+                       "cause (its timeout error is only the echo)."),
 )
 
 SEQ_MISTAKES = (
@@ -323,6 +375,13 @@ SEQ_MISTAKES = (
              lambda c: f"{c.name}: collective {c.got['seq']} is the newest one a waiting rank launched (DDP "
                        "launches each bucket's all-reduce without waiting), not the first one that cannot "
                        f"finish: that is {c.expected['seq']}, the first rank {c.culprit} never entered."),
+)
+
+GROUP_MISTAKES = (
+    Mistake("the default group named",
+             lambda c: str(c.got["group"]) == "0" != c.group,
+             lambda c: f"{c.name}: the ranks that wait in the default group wait for more than rank {c.culprit}; "
+                       f"the collective only rank {c.culprit} is missing is in another process group (Hint 1)."),
 )
 
 STUCK_IN_MISTAKES = (
@@ -339,11 +398,19 @@ STUCK_IN_MISTAKES = (
 
 
 def _check_rank(c: _Case) -> None:
-    """The rank named is the one holding the job up: its last collective_seq_id is the lowest."""
+    """The rank named is the one holding the job up: the one rank that waits for no one."""
     if c.got["rank"] != c.culprit:
         name_the_first(RANK_MISTAKES, c)
-        raise CheckFailed(f"{c.name}: you named rank {c.got['rank']}; look for the rank whose last "
-                          "collective_seq_id is the lowest (the others entered collectives it never reached)")
+        raise CheckFailed(f"{c.name}: you named rank {c.got['rank']}, which is not the rank the others wait "
+                          "for: that one waits for no one (Hint 1).")
+
+
+def _check_group(c: _Case) -> None:
+    """The process group of the collective only the stuck rank is missing, by its name."""
+    if str(c.got["group"]) != c.group:
+        name_the_first(GROUP_MISTAKES, c)
+        raise CheckFailed(f"{c.name}: group {c.got['group']!r}: give the name of the process group (the first "
+                          "element of an entry's process_group) whose collective only the stuck rank never entered")
 
 
 def _check_seq(c: _Case) -> None:
@@ -370,22 +437,26 @@ def _check_stuck_in(c: _Case) -> None:
 
 
 def check_hang_diagnosis(diagnose, dumps: dict | None = None) -> None:
-    """``diagnose(dumps)`` -> {"rank", "seq", "op", "stuck_in"} for the dumps of a hung job.
+    """``diagnose(dumps)`` -> {"rank", "group", "seq", "op", "stuck_in"} for the dumps of a hung job.
 
-    Runs it on the check's own four-rank dumps (first with whole flight recorders, then with
-    wrapped ones) and then on ``dumps``, the real dumps of the notebook's hung job.
+    Runs it on the check's own four-rank dumps (with whole flight recorders, with wrapped ones,
+    and of a job with two tensor-parallel pairs) and then on ``dumps``, the real dumps of the
+    notebook's hung job.
     """
     cases = [("the check's 4-rank dumps", synthetic_dumps()),
-             ("the check's 4-rank dumps with TORCH_FR_BUFFER_SIZE=8", synthetic_dumps(buffer_size=8))]
+             ("the check's 4-rank dumps with TORCH_FR_BUFFER_SIZE=8", synthetic_dumps(buffer_size=8)),
+             ("the check's dumps of two tensor-parallel pairs", two_group_dumps())]
     if dumps:
         cases.append(("your job's dumps", dumps))
     with borrowing_refused("diagnose", answers=[diagnose]):
         for name, case in cases:
             c = _Case(name, case, _diagnosis_of(diagnose, name, case))
             _check_rank(c)
+            _check_group(c)
             _check_seq(c)
             _check_op(c)
             _check_stuck_in(c)
     answer = _diagnose(dumps) if dumps else _diagnose(cases[0][1])
     passed(f"diagnosis right on {len(cases)} sets of dumps (yours: rank {answer['rank']} stuck in "
-           f"{answer['stuck_in']}, the others wait in collective {answer['seq']}, {answer['op']})")
+           f"{answer['stuck_in']}, the others wait in collective {answer['seq']} of group {answer['group']}, "
+           f"{answer['op']})")
