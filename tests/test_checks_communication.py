@@ -100,7 +100,41 @@ MISTAKES = {
 }
 
 
-CHECK_MODULE, PLANTS = check, MISTAKES  # tests/named.py
+ACROSS = "across = predict_allreduce(num_params / 8, grad_dtype, nodes, IB_STEP_LATENCY, 400e9 / 8)"
+TWO_LEVEL_MISTAKES = {  # part 4, two_level_allreduce_seconds
+    "the whole buffer across the nodes": (ACROSS, ACROSS.replace("num_params / 8,", "num_params,"),
+                                          "only that eighth travels"),
+    "8 times too fast across the nodes": (ACROSS, ACROSS.replace("400e9 / 8)", "8 * 400e9 / 8)"), "all 8 NICs"),
+    "8 times too fast across the nodes (bits)": (ACROSS, ACROSS.replace("400e9 / 8)", "400e9)"), "read as bytes"),
+    "no all-gather": ("return inside + across + inside", "return inside + across", "the all-gather"),
+    "one pass across the nodes": (ACROSS, "across = (nodes - 1) * IB_STEP_LATENCY + (nodes - 1) / nodes * num_params "
+                                          "* torch.tensor([], dtype=grad_dtype).element_size() / 8 / (400e9 / 8)",
+                                  "two passes around the ring of nodes"),
+    "the node's latency across the nodes": (ACROSS, ACROSS.replace("IB_STEP_LATENCY", "DGX_STEP_LATENCY"),
+                                            "paid NVLink's latency"),
+}
+
+
+def run_two_levels(old="", new=""):
+    assert old in SOLUTION, f"the solution no longer contains {old!r}: update this test"
+    namespace = {"torch": torch, "costmodel": costmodel, "alpha": FIT[0], "beta": FIT[1], "world": WORLD}
+    exec(SOLUTION.replace(old, new, 1), namespace)  # noqa: S102 - the course's own solution
+    check.check_two_level_allreduce(namespace["two_level_allreduce_seconds"])
+
+
+def test_the_two_level_solution_passes(capsys):
+    run_two_levels()
+    assert "check passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(TWO_LEVEL_MISTAKES))
+def test_each_two_level_mistake_is_named(name):
+    old, new, message = TWO_LEVEL_MISTAKES[name]
+    with names(mistake_of(name), says=message):
+        run_two_levels(old, new)
+
+
+CHECK_MODULE, PLANTS = check, {**MISTAKES, **TWO_LEVEL_MISTAKES}  # tests/named.py
 
 
 @pytest.mark.parametrize("name", sorted(MISTAKES))
@@ -150,6 +184,9 @@ TABLES = {  # each table of slips with the reference, the jobs the check runs it
                          [(1e9, torch.bfloat16, 8, 0.0, 100e9), (1e9, torch.float32, 8, 0.0, 100e9),
                           (1e9, torch.bfloat16, 4, 0.0, 100e9)]),
     "node bus bandwidth": (lambda: check.DGX_BUSBW, check.DGX_BUSBW_SLIPS, [()]),
+    "two levels": (check._two_level, check.TWO_LEVEL_SLIPS,
+                   [(0, torch.bfloat16, 2), (0, torch.bfloat16, 4), (8e9, torch.bfloat16, 2),
+                    (8e9, torch.float32, 2), (8e9, torch.bfloat16, 4)]),
     "node all-reduce": (lambda p, d, n: check._predict(p, check._size(d), n, check.NCCL_ALPHA, check.DGX_BUSBW),
                         check.DGX_SLIPS,
                         [(0, torch.bfloat16, 8), (0, torch.bfloat16, 4), (8e9, torch.bfloat16, 8),
@@ -183,6 +220,7 @@ def test_the_tables_jobs_are_the_checks(monkeypatch):
     monkeypatch.setattr(check, "_name_the_slip", spy)
     with _guard.trusting_a_spy():  # the spy is the test's, not an answer's: the checks may trust it
         run()
+        run_two_levels()
     assert {_names(slips): jobs for _, slips, jobs, *_ in TABLES.values()} == seen
 
 

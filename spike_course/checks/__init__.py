@@ -13,7 +13,7 @@ from __future__ import annotations
 # ruff: noqa: F401
 
 from ._common import CheckFailed, close, launch_reports, passed
-from .ch08_communication import check_dgx_prediction
+from .ch08_communication import check_dgx_prediction, check_two_level_allreduce
 from .ch03_data_parallel import check_distributed_accuracy, check_flat_allreduce
 from .ch09_federated import check_fedavg
 from .ch07_launching import check_resharded_resume

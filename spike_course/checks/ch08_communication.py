@@ -8,7 +8,7 @@ parameters (both halve a time), while a job in fp32 can."""
 
 from __future__ import annotations
 
-from ..costmodel import NCCL_ALPHA  # the node's latency per ring step (the statement's DGX_STEP_LATENCY)
+from ..costmodel import GPUS_PER_NODE, NCCL_ALPHA  # NCCL_ALPHA: the statement's DGX_STEP_LATENCY
 from ._common import CheckFailed, Mistake, close, name_the_first, passed
 from ._guard import borrowing_refused
 
@@ -298,3 +298,76 @@ def check_dgx_prediction(ring_from_fit, predict_allreduce, dgx_busbw, dgx_allred
     passed(f"ring parameters from your fit ({own_ring[0] * 1e6:.1f} us per step, {own_ring[1] / 1e9:.2f} GB/s "
            f"bus bandwidth), the prediction on 5 jobs and the DGX B200 node's on 5 more: the gradient "
            f"all-reduce of an 8B model in bf16 on its 8 GPUs takes {model * 1e3:.1f} ms")
+
+
+# Part 4: an all-reduce over whole DGX nodes in two levels, by hand: a reduce-scatter inside each
+# node over NVLink, an all-reduce of each GPU's eighth across the nodes over that GPU's own NIC
+# (its rail), an all-gather inside each node.
+IB_STEP_LATENCY = 5e-6  # seconds per ring step between nodes: the statement's assumption
+IB_NIC_GBIT = 400  # one NDR NIC per GPU, per direction
+
+
+def _two_level(p, d, nodes, *, size=None, inside=2, across_bytes=None, nic=IB_NIC_GBIT * 1e9 / 8,
+               across_steps=None, across_latency=IB_STEP_LATENCY):
+    """The reference (no keywords), or the time with one of its terms changed (a slip's)."""
+    g, nbytes = GPUS_PER_NODE, p * (_size(d) if size is None else size)
+    steps = 2 * (nodes - 1) if across_steps is None else across_steps(nodes)
+    within = inside * ((g - 1) * NCCL_ALPHA + (g - 1) / g * nbytes / DGX_BUSBW)
+    shard = nbytes / g if across_bytes is None else across_bytes
+    return within + steps * across_latency + steps / nodes * shard / nic
+
+
+TWO_LEVEL_SLIPS = (
+    _slip("the whole buffer across the nodes", lambda p, d, n: _two_level(p, d, n, across_bytes=p * _size(d)),
+          "the whole buffer crosses the network: after the reduce-scatter inside the node each GPU holds one "
+          "eighth of the sum, and only that eighth travels on its rail (hint 1)."),
+    # 8 NICs of 50 GB/s and one NIC's 400 Gbit/s read as bytes are the same 400 GB/s: one slip, both causes
+    _slip("8 times too fast across the nodes", lambda p, d, n: _two_level(p, d, n, nic=IB_NIC_GBIT * 1e9),
+          "each GPU's eighth crossed the network at 400 GB/s: either at all 8 NICs' bandwidth, where it travels "
+          "on its own rail through one NIC while the others carry the other eighths, or at 400 Gbit/s read as "
+          "bytes (hints 1 and 2)."),
+    _slip("no all-gather", lambda p, d, n: _two_level(p, d, n, inside=1),
+          "one pass inside the node: after the all-reduce across the nodes each GPU holds one eighth of the "
+          "result, and the all-gather that hands it to the node's other GPUs takes as long as the reduce-scatter "
+          "(hint 1)."),
+    _slip("one pass across the nodes", lambda p, d, n: _two_level(p, d, n, across_steps=lambda k: k - 1),
+          "the part across the nodes is an all-reduce of each eighth, a reduce-scatter and an all-gather of its "
+          "own: two passes around the ring of nodes, not one (hint 2)."),
+    _slip("the node's latency across the nodes", lambda p, d, n: _two_level(p, d, n, across_latency=NCCL_ALPHA),
+          "the steps between the nodes paid NVLink's latency: a step through the network costs IB_STEP_LATENCY "
+          "(hint 2)."),
+)
+
+
+def check_two_level_allreduce(two_level_allreduce_seconds) -> None:
+    """``two_level_allreduce_seconds(num_params, grad_dtype, nodes)``: the seconds of a two-level
+    all-reduce of the gradients over ``nodes`` DGX B200 nodes (reduce-scatter inside each node,
+    all-reduce of each eighth across the nodes on its rail, all-gather inside each node)."""
+    import torch
+
+    def answer(p, d, n):
+        return _number(two_level_allreduce_seconds(p, d, n), "two_level_allreduce_seconds(...) returned")
+
+    def show(job, got, want):
+        p, d, n = job
+        return (f"two_level_allreduce_seconds({p:.3g} parameters, {_name(d)}, {n} nodes) = {got * 1e3:.4g} ms, "
+                f"expected {want * 1e3:.4g} ms")
+
+    jobs = [(0, torch.bfloat16, 2), (0, torch.bfloat16, 4), (DGX_MODEL_PARAMS, torch.bfloat16, 2),
+            (DGX_MODEL_PARAMS, torch.float32, 2), (DGX_MODEL_PARAMS, torch.bfloat16, 4)]
+    from .. import costmodel
+
+    try:
+        with borrowing_refused("your answer", (costmodel.allreduce_time, costmodel.collective_time,
+                                               costmodel.dp_comm_time, costmodel.group_bandwidth),
+                               "Write each level's time from its steps yourself.",
+                               answers=[two_level_allreduce_seconds]):
+            _name_the_slip(answer, _two_level, TWO_LEVEL_SLIPS, jobs, show,
+                           "each level is a ring of its own: its steps' latency and each link's share of the bytes "
+                           "that cross it, at that link's bandwidth (hint 2).")
+    except NotImplementedError:
+        raise CheckFailed("two_level_allreduce_seconds still raises NotImplementedError: write it first.") from None
+    flat = _predict(DGX_MODEL_PARAMS, 2, 2 * GPUS_PER_NODE, IB_STEP_LATENCY, GPUS_PER_NODE * IB_NIC_GBIT * 1e9 / 8)
+    passed(f"two levels on 5 jobs: the 8B model's bf16 gradients over 2 nodes take "
+           f"{_two_level(DGX_MODEL_PARAMS, torch.bfloat16, 2) * 1e3:.1f} ms, against {flat * 1e3:.1f} ms for one "
+           "ring over the 16 GPUs whose bytes cross the network on the 8 rails")
