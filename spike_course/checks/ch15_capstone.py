@@ -48,12 +48,13 @@ STEPS_PER_EPOCH = TRAIN_SAMPLES // GLOBAL_BATCH
 LR, WEIGHT_DECAY, WARMUP_STEPS, CLIP, SEED = 2e-3, 0.05, 4, 1.0, 0
 CRASH_RANK, CRASH_AFTER = 1, STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2  # in epoch 1, after epoch 0's save
 SAVE_DELAY = 0.5  # rank 0 lingers in torch.save this long: a rank that goes on did not wait
+LOADER_WORKERS = 1  # loading in a worker process, as on a cluster (the script's default is 4): one is enough to run that path
 
 
 def _options(data, checkpoint, metrics):
     return ["--data", data, "--epochs", EPOCHS, "--batch-size", GLOBAL_BATCH, "--micro-batch", MICRO_BATCH,
             "--lr", LR, "--weight-decay", WEIGHT_DECAY, "--warmup-steps", WARMUP_STEPS, "--clip", CLIP,
-            "--seed", SEED, "--workers", 0, "--log-every", 4, "--checkpoint", checkpoint,
+            "--seed", SEED, "--workers", LOADER_WORKERS, "--log-every", 4, "--checkpoint", checkpoint,
             "--metrics", metrics]
 
 
