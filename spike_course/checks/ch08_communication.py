@@ -246,21 +246,39 @@ DGX_SLIPS = (
 )
 
 
-def _check_dgx(dgx_allreduce_seconds, own_ring, world_size) -> None:
-    """Latency alone (0 parameters) on 8 and 4 GPUs, then the 8B model in bf16 and fp32 on 8 GPUs,
-    and in bf16 on 4: every slip of DGX_SLIPS changes one of these, each differently."""
+def _jobs(first: int, second: int) -> list:
+    """Latency alone (0 parameters) on ``first`` and ``second`` ranks, then the 8B model in bf16 and
+    fp32 on ``first`` and in bf16 on ``second``: each known slip changes one of these, each differently."""
     import torch
 
+    return [(0, torch.bfloat16, first), (0, torch.bfloat16, second), (DGX_MODEL_PARAMS, torch.bfloat16, first),
+            (DGX_MODEL_PARAMS, torch.float32, first), (DGX_MODEL_PARAMS, torch.bfloat16, second)]
+
+
+def _timed(function, call: str, ranks: str):
+    """(answer, show) for ``_name_the_slip`` of an answer ``function(num_params, grad_dtype, n)`` in seconds,
+    ``n`` counting ``ranks`` (GPUs, nodes)."""
     def answer(p, d, n):
-        return _number(dgx_allreduce_seconds(p, d, n), "dgx_allreduce_seconds(...) returned")
+        return _number(function(p, d, n), f"{call}(...) returned")
 
     def show(job, got, want):
         p, d, n = job
-        return (f"dgx_allreduce_seconds({p:.3g} parameters, {_name(d)}, {n} GPUs) = {got * 1e3:.4g} ms, "
+        return (f"{call}({p:.3g} parameters, {_name(d)}, {n} {ranks}) = {got * 1e3:.4g} ms, "
                 f"expected {want * 1e3:.4g} ms")
+    return answer, show
 
-    jobs = [(0, torch.bfloat16, 8), (0, torch.bfloat16, 4), (DGX_MODEL_PARAMS, torch.bfloat16, 8),
-            (DGX_MODEL_PARAMS, torch.float32, 8), (DGX_MODEL_PARAMS, torch.bfloat16, 4)]
+
+def _course_times() -> tuple:
+    """The cost model's collective times: the course's own answers to parts 2 to 4."""
+    from .. import costmodel
+
+    return costmodel.allreduce_time, costmodel.collective_time, costmodel.dp_comm_time
+
+
+def _check_dgx(dgx_allreduce_seconds, own_ring, world_size) -> None:
+    """The node's all-reduce on 8 and 4 GPUs (``_jobs``)."""
+    answer, show = _timed(dgx_allreduce_seconds, "dgx_allreduce_seconds", "GPUs")
+    jobs = _jobs(8, 4)
     _name_the_slip(answer, _node, DGX_SLIPS, jobs, show,
                    "the node's all-reduce is part 2's prediction with the node's numbers (hint 2).",
                    context=(*own_ring, world_size))
@@ -277,13 +295,9 @@ def check_dgx_prediction(ring_from_fit, predict_allreduce, dgx_busbw, dgx_allred
     ``dgx_allreduce_seconds(num_params, grad_dtype, gpus)`` -> that all-reduce on ``gpus`` GPUs
     of the node. ``fit`` = (alpha, beta) the learner measured.
     """
-    from .. import costmodel
-
     own_ring = _ring(*(float(v) for v in fit), world_size)
-    # The cost model's collective times are the course's answer to parts 2 and 3.
-    course_times = (costmodel.allreduce_time, costmodel.collective_time, costmodel.dp_comm_time)
     try:
-        with borrowing_refused("your answer", course_times, "Write the ring's time from its steps yourself.",
+        with borrowing_refused("your answer", _course_times(), "Write the ring's time from its steps yourself.",
                                answers=[ring_from_fit, predict_allreduce, dgx_allreduce_seconds]):
             _check_ring(ring_from_fit, fit, world_size)
             _check_prediction(predict_allreduce)
@@ -345,24 +359,14 @@ def check_two_level_allreduce(two_level_allreduce_seconds) -> None:
     all-reduce of each eighth across the nodes on its rail, all-gather inside each node)."""
     import torch
 
-    def answer(p, d, n):
-        return _number(two_level_allreduce_seconds(p, d, n), "two_level_allreduce_seconds(...) returned")
+    from ..costmodel import group_bandwidth
 
-    def show(job, got, want):
-        p, d, n = job
-        return (f"two_level_allreduce_seconds({p:.3g} parameters, {_name(d)}, {n} nodes) = {got * 1e3:.4g} ms, "
-                f"expected {want * 1e3:.4g} ms")
-
-    jobs = [(0, torch.bfloat16, 2), (0, torch.bfloat16, 4), (DGX_MODEL_PARAMS, torch.bfloat16, 2),
-            (DGX_MODEL_PARAMS, torch.float32, 2), (DGX_MODEL_PARAMS, torch.bfloat16, 4)]
-    from .. import costmodel
-
+    answer, show = _timed(two_level_allreduce_seconds, "two_level_allreduce_seconds", "nodes")
     try:
-        with borrowing_refused("your answer", (costmodel.allreduce_time, costmodel.collective_time,
-                                               costmodel.dp_comm_time, costmodel.group_bandwidth),
+        with borrowing_refused("your answer", (*_course_times(), group_bandwidth),  # the rails' bandwidth too
                                "Write each level's time from its steps yourself.",
                                answers=[two_level_allreduce_seconds]):
-            _name_the_slip(answer, _two_level, TWO_LEVEL_SLIPS, jobs, show,
+            _name_the_slip(answer, _two_level, TWO_LEVEL_SLIPS, _jobs(2, 4), show,
                            "each level is a ring of its own: its steps' latency and each link's share of the bytes "
                            "that cross it, at that link's bandwidth (hint 2).")
     except NotImplementedError:
