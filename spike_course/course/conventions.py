@@ -32,7 +32,7 @@ _MARKER_LINE = re.compile(r"^[ \t]*### (BEGIN|END) SOLUTION[^\n]*(\n|\Z)", re.M)
 
 def written_files(notebook) -> dict:
     """{path: text} of the notebook's ``%%writefile`` cells, as the course wrote them."""
-    return {writes(cell): cell.source.split("\n", 1)[1] for cell in notebook.cells if writes(cell)}
+    return {path: cell.source.split("\n", 1)[1] for cell in notebook.cells if (path := writes(cell))}
 
 
 def starts_as(source: str) -> str | None:
