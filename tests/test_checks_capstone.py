@@ -4,7 +4,7 @@ each mistake planted in a copy of the solution.
 Each test takes the solution's train.py (the %%writefile cell of the solution notebook,
 without its solution markers), plants mistakes with string replacements and asserts the
 check's messages. The check runs the job as 2 nodes with a crash and a restart (about 15 s
-here), then a pretend GPU start (2 nodes of 2 processes and 1 GPU, about 10 s). A launch is
+here), then a pretend GPU start (2 nodes of 2 processes and 1 GPU, about 5 s, no torchrun agents). A launch is
 what costs, so the mistakes that different steps of the check see, and that leave the rest
 of the job alone, are planted together (GROUPS): one launch, and the check, collecting,
 must name each of them and nothing else. The others are planted alone, and the check must

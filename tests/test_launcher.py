@@ -157,8 +157,8 @@ def test_unknown_launcher_and_misplaced_torchrun_options(worker):
         launch(worker(HELLO), launcher="mpirun")
     with pytest.raises(ValueError, match="launcher='torchrun'"):
         launch(worker(HELLO), max_restarts=1)
-    with pytest.raises(ValueError, match=r"\['nodes'\] are torchrun options"):
-        launch(worker(HELLO), nodes=2)
+    with pytest.raises(ValueError, match="nodes must be a whole number"):
+        launch(worker(HELLO), nodes=0)
 
 
 def test_two_launches_at_the_same_time(worker, no_orphans):
@@ -487,8 +487,10 @@ runtime.teardown()
 """
 
 
-def test_two_nodes_under_torchrun_number_their_ranks_as_a_cluster_does(worker, no_orphans, tmp_path):
-    result = launch(worker(WHERE), nproc=2, launcher="torchrun", nodes=2, cwd=tmp_path, echo=False)
+# Under torchrun two agents meet; a fresh (or warm) launch gives the ranks what the agents would.
+@pytest.mark.parametrize("launcher", ["torchrun", "fresh"])
+def test_two_nodes_number_their_ranks_as_a_cluster_does(worker, no_orphans, tmp_path, launcher):
+    result = launch(worker(WHERE), nproc=2, launcher=launcher, nodes=2, cwd=tmp_path, echo=False)
     assert result.ok and sorted(result.output) == [0, 1, 2, 3]
     said = {rank: lines[0].split() for rank, lines in result.output.items()}
     assert {rank: (int(words[3]), int(words[5])) for rank, words in said.items()} == \

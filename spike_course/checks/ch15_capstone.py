@@ -818,8 +818,9 @@ PICKED_BY = {"set_device": "torch.cuda.set_device", "to": "the model's .to", "dd
 
 def pretend_gpus(script, folder, options, data):
     """Start the job on pretend GPUs: what each rank chooses is recorded, and the ranks leave
-    once the model is wrapped in DDP."""
-    return two_node_job.launch(script, folder, options, data=data, per_node=PRETEND_PER_NODE,
+    once the model is wrapped in DDP. The ranks get the variables torchrun would give them, without
+    its agents: nothing restarts here, and the main job ran under torchrun already."""
+    return two_node_job.launch(script, folder, options, data=data, per_node=PRETEND_PER_NODE, agents=False,
                                probe_env={"CAPSTONE_FAKE_GPUS": str(PRETEND_GPUS)})
 
 

@@ -150,9 +150,10 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "warm", timeout: 
     ``echo=False`` keeps the output quiet but still collects it. With ``check=True`` a failure
     raises :class:`LaunchError`; with ``check=False`` it is returned and ``result.ok`` is False.
     Keyword options left over (``nnodes="1:2"``, ``max_restarts=1``, ``rdzv_backend="c10d"``,
-    ...) go to torchrun as ``--nnodes 1:2 --max-restarts 1 ...`` and need ``launcher="torchrun"``;
-    so does ``nodes``: that many torchrun agents on this machine, ``nproc`` ranks each, meet
-    in one c10d rendezvous, so RANK and LOCAL_RANK differ on the second node as on a cluster.
+    ...) go to torchrun as ``--nnodes 1:2 --max-restarts 1 ...`` and need ``launcher="torchrun"``.
+    ``nodes``: ``nproc`` ranks on each of that many pretend nodes, so RANK and LOCAL_RANK differ
+    on the second node as on a cluster. Under torchrun that many agents on this machine meet in
+    one c10d rendezvous; otherwise the ranks get the variables the agents would give them.
     ``watch(result)`` is called with what the launch has collected so far every ``watch_every``
     seconds while the ranks run: a drill that signals a rank, a check that has judged enough.
     An exception it raises stops every rank and comes out of here.
@@ -166,8 +167,8 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "warm", timeout: 
         raise ValueError(f"nproc must be a whole number of ranks >= 1, got {nproc!r}")
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
-    if (torchrun_options or nodes != 1) and launcher != "torchrun":
-        raise ValueError(f"options {sorted(torchrun_options) or ['nodes']} are torchrun options: "
+    if torchrun_options and launcher != "torchrun":
+        raise ValueError(f"options {sorted(torchrun_options)} are torchrun options: "
                          "pass launcher='torchrun' to use them")
     if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
         raise ValueError(f"nodes must be a whole number of nodes >= 1, got {nodes!r}")
@@ -176,7 +177,7 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "warm", timeout: 
         script = script.resolve()  # named from here, run from there
 
     results_dir = Path(tempfile.mkdtemp(prefix="spike_course_results_"))
-    child_env = _child_env(env, nproc, omp_threads, results_dir)
+    child_env = _child_env(env, nodes * nproc, omp_threads, results_dir)  # every node is this machine
     python = python or sys.executable
     world = nodes * nproc
     result = LaunchResult(nproc=world, output={rank: [] for rank in range(world)})
@@ -226,7 +227,7 @@ def _start(launcher, python, script, args, shape, child_env, torchrun_options, p
             processes[f"node{node}"] = _popen(command, child_env, cwd)
         return
     port = str(free_port())
-    rank_envs = {rank: {**_rank_env(rank, nproc), "MASTER_PORT": port} for rank in range(nproc)}
+    rank_envs = {rank: {**_rank_env(rank, nproc, nodes), "MASTER_PORT": port} for rank in range(nodes * nproc)}
     if launcher == "warm":
         warm_ranks = warm.start_ranks(python, str(script), args, child_env, rank_envs, cwd)
         if warm_ranks is not None:
@@ -267,9 +268,10 @@ def _child_env(extra, nproc, omp_threads, results_dir):
     return child_env
 
 
-def _rank_env(rank, nproc):
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
+def _rank_env(rank, nproc, nodes=1):
+    """What torchrun's agent on node ``rank // nproc`` would give the rank."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank % nproc), "WORLD_SIZE": str(nodes * nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(rank // nproc)}
 
 
 _RENDEZVOUS = ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "nnodes", "master_addr", "master_port")

@@ -2,7 +2,8 @@
 
 The launcher starts two torchrun agents (``nodes=2``: a c10d rendezvous on localhost), one rank
 each (or ``per_node``), so that RANK and LOCAL_RANK differ on the second node as they do on a
-cluster. Every Python they start loads ``capstone_probe.py`` as its ``sitecustomize``,
+cluster (or, for a start that only records choices, the ranks with the agents' variables and no
+agents). Every Python they start loads ``capstone_probe.py`` as its ``sitecustomize``,
 after an import blocker: ``spike_course`` cannot be imported, as on the cluster. What the
 ranks did comes back as :class:`Job`: their recorded events, and the launch's result.
 """
@@ -72,10 +73,13 @@ def _site(folder: Path) -> Path:
     return site
 
 
-def launch(script, folder, args, *, data, max_restarts=0, probe_env=None, watch=None, per_node=1) -> Job:
+def launch(script, folder, args, *, data, max_restarts=0, probe_env=None, watch=None, per_node=1,
+           agents=True) -> Job:
     """Run ``script`` with ``args`` as a job of NODES nodes of ``per_node`` ranks each, in ``folder``.
     ``watch(job)`` is called with what the ranks recorded so far, four times a second while
-    the job runs: an exception it raises stops the job and comes out of here."""
+    the job runs: an exception it raises stops the job and comes out of here. ``agents=False``
+    starts the ranks with the variables torchrun's agents would give them, but no agents (two
+    fewer imports of torch), for a start that records choices and never restarts."""
     folder = Path(folder)
     calls = folder / "calls"
     calls.mkdir(parents=True, exist_ok=True)
@@ -86,10 +90,10 @@ def launch(script, folder, args, *, data, max_restarts=0, probe_env=None, watch=
     env = dict(PYTHONPATH=str(_site(folder)), CAPSTONE_LOG=str(calls), CAPSTONE_DATA=str(data),
                CAPSTONE_MODEL=MODEL_CLASS, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(probe_env or {}))
     result = launch_ranks(
-        Path(script).resolve(), per_node, args, launcher="torchrun", nodes=NODES, cwd=folder, env=env,
-        timeout=LAUNCH_TIMEOUT, check=False, echo=False, progress=False, max_restarts=max_restarts,
+        Path(script).resolve(), per_node, args, launcher="torchrun" if agents else "fresh", nodes=NODES,
+        cwd=folder, env=env, timeout=LAUNCH_TIMEOUT, check=False, echo=False, progress=False,
         # An agent whose partner already left gives up after a minute, not torch's ten.
-        rdzv_conf="join_timeout=60",
+        **(dict(max_restarts=max_restarts, rdzv_conf="join_timeout=60") if agents else {}),
         watch=None if watch is None else lambda so_far: watch(_read(folder, so_far, per_node)))
     return _read(folder, result, per_node)
 
