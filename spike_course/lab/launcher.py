@@ -176,10 +176,10 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "warm", timeout: 
     if cwd is not None:
         script = script.resolve()  # named from here, run from there
 
-    results_dir = Path(tempfile.mkdtemp(prefix="spike_course_results_"))
-    child_env = _child_env(env, nodes * nproc, omp_threads, results_dir)  # every node is this machine
-    python = python or sys.executable
     world = nodes * nproc
+    results_dir = Path(tempfile.mkdtemp(prefix="spike_course_results_"))
+    child_env = _child_env(env, world, omp_threads, results_dir)  # every node is this machine
+    python = python or sys.executable
     result = LaunchResult(nproc=world, output={rank: [] for rank in range(world)})
     view = ProgressView(world, results_dir, enabled=progress)
     started = time.perf_counter()
