@@ -177,6 +177,9 @@ def launch(script, nproc: int = 2, args=(), *, launcher: str = "warm", timeout: 
         script = script.resolve()  # named from here, run from there
 
     world = nodes * nproc
+    if launcher == "torchrun" and nodes > 1 and not any(key in _RENDEZVOUS for key in torchrun_options):
+        # The store lives as long as this call, so that restarted agents meet in it again.
+        rendezvous_store, torchrun_options = _host_rendezvous(nodes, torchrun_options)
     results_dir = Path(tempfile.mkdtemp(prefix="spike_course_results_"))
     child_env = _child_env(env, world, omp_threads, results_dir)  # every node is this machine
     python = python or sys.executable
@@ -277,16 +280,28 @@ def _rank_env(rank, nproc, nodes=1):
 _RENDEZVOUS = ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "nnodes", "master_addr", "master_port")
 
 
+def _host_rendezvous(nodes, options):
+    """The c10d rendezvous store of a launch on several pretend nodes, hosted by this process.
+
+    Left to themselves, agents on one machine each guess they are the endpoint's host and race
+    to bind a port that ``free_port`` only saw free; the loser, or both when a third process took
+    the port meanwhile, fails with RendezvousConnectionError. A store bound here on port 0 has
+    its port before any agent starts, and every agent connects to it as a client
+    (``is_host=false``), as the agents of a cluster's second node do.
+    """
+    from torch.distributed import TCPStore  # only here: a plain launch never imports torch
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    conf = ",".join(filter(None, ["is_host=false", options.get("rdzv_conf")]))
+    return store, {**options, "nnodes": nodes, "rdzv_backend": "c10d", "rdzv_id": "spike_course",
+                   "rdzv_endpoint": f"127.0.0.1:{store.port}", "rdzv_conf": conf}
+
+
 def _torchrun_flags(nproc, nodes, options):
     flags = [f"--nproc-per-node={nproc}", "--tee=3"]
     if nodes > 1:  # every line tagged with its global rank: two nodes both have a local rank 0
         flags.append("--log-line-prefix-template=[${role_name}${local_rank}]:[rank${rank}]:")
-    if any(key in _RENDEZVOUS for key in options):
-        pass  # the caller's rendezvous
-    elif nodes > 1:
-        flags += [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-                  "--rdzv-id=spike_course"]
-    else:
+    if not any(key in _RENDEZVOUS for key in options):  # several nodes: launch's _host_rendezvous
         flags.append("--standalone")
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
