@@ -20,7 +20,7 @@ def replace_region(source: str, number: int, code: str, regions: int | None = No
 
 def planted(source: str, *changes) -> str:
     """``source`` with each (old, new) of ``changes`` made once, after its first solution marker."""
-    head, region = source.split(BEGIN)
+    head, region = source.split(BEGIN, 1)
     for old, new in changes:
         assert old in region, f"the solution's region no longer contains {old!r}: update this test"
         region = region.replace(old, new, 1)

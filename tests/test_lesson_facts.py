@@ -6,7 +6,7 @@ order in which FSDP2 averages gradients (chapter 11), the import torch.distribut
 needs (chapter 06), the flight recorder's older variable names (chapter 10) and ZeRO-1's
 traffic in the cost model (chapter 06). Then what the course says about clusters: the
 gradients' dtype that DDP reduces under autocast, where context_parallel_unshard lives and
-the pieces of async TP (chapters 05, 11, 12), and the numbers that chapters 05, 08, 12 and
+the pieces of async TP (chapters 05, 11, 12), the torchft pieces chapter 15 uses, and the numbers that chapters 05, 08, 12 and
 13 compute from the cost model, so that a change of the model that moves them fails here.
 """
 
@@ -301,3 +301,19 @@ def test_grouped_query_attention_lets_context_parallel_cross_nodes():
     full = costmodel.B200_BF16_FLOPS * 0.4 * 2 / (2 * costmodel.link_bandwidth("ib_ndr"))
     assert full == pytest.approx(18_000) and full * 8 / 128 == pytest.approx(1_125)
     assert 131_072 // 16 > 7 * full * 8 / 128  # Llama 3 405B's 8,192 tokens per rank over CP = 16
+
+
+def test_the_torchft_pieces_chapter_15_names():
+    """Chapter 15.3 says a returning group heals over HTTP by default (torchft 0.2) and that
+    torchft has an NCCL process group for GPUs; 15.4 names DiLoCo with model fragments and a
+    fragment_sync_delay, and LocalSGD, over the same Manager."""
+    import inspect
+
+    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # noqa: F401
+    from torchft.checkpointing.http_transport import HTTPTransport
+    from torchft.coordination import LighthouseServer  # noqa: F401
+    from torchft.local_sgd import DiLoCo, LocalSGD  # noqa: F401
+
+    init = inspect.getsource(Manager.__init__)
+    assert "checkpoint_transport = HTTPTransport" in init and HTTPTransport.__name__ == "HTTPTransport"
+    assert {"model_fragments", "fragment_sync_delay", "outer_optimizer"} <= set(inspect.signature(DiLoCo).parameters)

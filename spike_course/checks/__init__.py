@@ -23,13 +23,14 @@ from .ch04_pipeline_training import check_pipeline_training
 from .ch02_sampling import check_sampler
 from .ch05_tensor_parallel import check_tp_plan, check_vocab_parallel_embedding
 from .ch06_zero import check_fsdp2_checkpoint, check_zero1
-from .ch15_capstone import check_capstone_job, check_capstone_submit
+from .ch16_capstone import check_capstone_job, check_capstone_submit
 from .ch10_profiling import check_hang_diagnosis, check_straggler
 from .ch11_memory import check_fits_budget, check_peak_prediction
 from .ch12_context_parallel import check_ring_attention
 from .ch12_expert_parallel import check_moe_layer
 from .ch13_sizing import check_job_plan
 from .ch14_preemption import check_preemption_safe
+from .ch15_training_through_failures import check_corruption_guard, check_straggler_watch
 
 # Guarded against code in the notebook (see _guard): each check verifies that nothing it
 # relies on was replaced since this import, and this package refuses new values.
