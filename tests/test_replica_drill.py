@@ -12,7 +12,7 @@ DEATHS = [(2, "before"), (2, "during"), (2, "after")]  # each start of group 1 d
 
 
 @pytest.mark.processes
-def test_a_group_killed_before_during_and_after_its_allreduce_heals_each_time(tmp_path):
+def test_a_group_killed_before_during_and_after_its_allreduce_heals_each_time(tmp_path, no_orphans):
     script = tmp_path / "replica.py"
     script.write_text(conventions.written_files(course_files.notebook(NOTEBOOK))[
         "workers/15_training_through_failures/replica.py"])

@@ -26,10 +26,11 @@ FOREVER = 10**6  # steps: the groups run until the drill writes the job's length
 @dataclass
 class Life:
     """One start of a group: its launch, the steps it logged as it went and, if it finished,
-    its final weights."""
+    its final weights and the device type it trained on."""
     result: LaunchResult
     steps: list
     weights: list | None
+    device: str | None
 
 
 @dataclass
@@ -39,9 +40,11 @@ class Drill:
 
 
 def run(script, folder, deaths=(), margin: int = 5, timeout: float = 120) -> Drill:
+    # The lighthouse logs every quorum (ten a second) into the cell otherwise. Its Rust logger reads
+    # the variable when torchft is first imported: set it before.
+    os.environ.setdefault("RUST_LOG", "warn")
     from torchft.coordination import LighthouseServer  # only the drill needs torchft
 
-    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum (ten a second) otherwise
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     length = folder / "length"
@@ -97,5 +100,5 @@ def _logged(steps_file: Path) -> list:
 
 
 def _life(result: LaunchResult, out: Path) -> Life:
-    weights = json.loads(out.read_text())["weights"] if out.exists() else None
-    return Life(result, _logged(Path(f"{out}.steps")), weights)
+    final = json.loads(out.read_text()) if out.exists() else {}
+    return Life(result, _logged(Path(f"{out}.steps")), final.get("weights"), final.get("device"))
