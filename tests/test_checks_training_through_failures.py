@@ -86,7 +86,9 @@ PACE_PLANTS = {
                                        r"gave different names: \{0: \[\[0, \d+\]\], 1: \[\[1, \d+\]\], 2: \[\], 3: \[\]\}"),
 }
 PLANTS = {**GUARD_PLANTS, **PACE_PLANTS}
-# Whole steps timed: on this machine a slowed step is under twice a whole step, so nobody is named.
+# Whole steps timed: the all-reduce stretches every rank's step as the slowed node's. Whether that
+# passes the watch's ratio depends on how much of a step the compute is on this host: the watch
+# names nobody, or all four ranks.
 WHOLE_STEPS = [(READY, "    def ready(self) -> None:\n        pass\n"),
                ("        if len(self.compute) < self.every:",
                 "        self.compute.append(self.clock() - self.started)\n        if len(self.compute) < self.every:")]
@@ -130,8 +132,8 @@ def test_a_planted_mistake_of_the_watch_is_named(mistake, worker, no_orphans):
 
 
 @pytest.mark.processes
-def test_whole_steps_timed_are_named_with_the_node_not_named(worker, no_orphans):
-    with names("a slowed node not named", says="What did its clock include"):
+def test_whole_steps_timed_are_named(worker, no_orphans):
+    with names(("a slowed node not named", None), says=r"What did its clock include|which never slowed: the all-reduce"):
         check_straggler_watch(worker(plant(WATCH, WHOLE_STEPS), "watched_train.py"), seed=PACE_SEED)
 
 

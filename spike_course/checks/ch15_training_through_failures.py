@@ -273,8 +273,13 @@ def _stopped_early(job, step) -> None:
 
 PACE_WORLD = 4  # two pretend nodes of two ranks: a node can slow down as a whole
 PACE_STEPS, EVERY, PATIENCE = 36, 4, 2  # the script's --steps and --every, and its watch's patience
-DELAY = 0.04  # seconds a slowed rank's compute takes longer per step: about 13x this model's compute
-HICCUP = 0.12  # seconds added to one step of one rank: one slow window, not a straggler
+# In multiples of the rank's usual compute (the probe times it before the slowdown), not in
+# seconds: a host busy with other work stretches the compute several times (40 ms added was less
+# than twice it there, and no watch could name the node).
+SLOWER = 4  # usual computes added to each step of a slowed rank: 5x its pace, past any ratio of 3
+# Its window is 10x the rank's pace; a watch whose yardstick is its first window, step 0's warm-up
+# in it (two or three steps' worth), still finds it past 3x.
+HICCUP = 40  # usual computes added to one step of one rank: one slow window, not a straggler
 LATE = (PATIENCE + 1) * EVERY  # steps after the slowdown began by which its ranks must be named
 
 
@@ -282,9 +287,9 @@ def draw_pace_plan(rng: random.Random) -> list[dict]:
     """One node (two ranks) slowed from a step drawn after the first four windows to the end, and
     one step of one rank slowed once, earlier: a hiccup."""
     node, onset, hiccup = rng.choice(((0, 1), (2, 3))), rng.randrange(16, 23), rng.randrange(4, 12)
-    plan = [{"what": "slow", "rank": rank, "step": onset, "until": PACE_STEPS, "delay": DELAY} for rank in node]
+    plan = [{"what": "slow", "rank": rank, "step": onset, "until": PACE_STEPS, "times": SLOWER} for rank in node]
     return plan + [{"what": "slow", "rank": rng.randrange(PACE_WORLD), "step": hiccup, "until": hiccup + 1,
-                    "delay": HICCUP}]
+                    "times": HICCUP}]
 
 
 class Pace:
@@ -301,8 +306,8 @@ class Pace:
 
     @property
     def story(self) -> str:
-        return (f"ranks {self.slowed} (one node) computed {1e3 * DELAY:.0f} ms a step longer from step {self.onset} "
-                f"on, and rank {self.hiccup[0]} {1e3 * HICCUP:.0f} ms longer in step {self.hiccup[1]} alone")
+        return (f"ranks {self.slowed} (one node) computed {SLOWER + 1} times as long as usual from step "
+                f"{self.onset} on, and rank {self.hiccup[0]} {HICCUP + 1} times as long in step {self.hiccup[1]} alone")
 
     def late(self) -> list:
         return [rank for rank, step in self.named if rank in self.slowed and step > self.onset + LATE]
@@ -313,7 +318,8 @@ PACE_MISTAKES = (
             lambda p: f"{p.story}; the ranks' watches gave different names: "
                       f"{ {r: v for r, v in p.lists.items()} }. A rank that times itself alone knows its own pace, not "
                       "whether the others are as slow: every rank must name the same ranks (Hint 1)."),
-    Mistake("one slow window is enough", lambda p: p.hiccup[0] in p.ranks and p.hiccup[0] not in p.slowed,
+    Mistake("one slow window is enough", lambda p: any(rank == p.hiccup[0] and step < p.onset for rank, step in p.named)
+            and p.hiccup[0] not in p.slowed,
             lambda p: f"{p.story}; the watch named rank {p.hiccup[0]} at step "
                       f"{dict(p.named)[p.hiccup[0]]}: one slow window (a garbage collection, another process on the "
                       "core) is not yet a straggler (Hint 3)."),

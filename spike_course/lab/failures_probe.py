@@ -5,9 +5,14 @@ around every optimizer step; what the chapter 15 checks' ranks run.
 PLAN is a JSON list of faults, each with the ``rank`` it strikes, the ``step`` (optimizer steps
 counted from 0) and ``what``:
 
-* ``"slow"``: from step ``step`` to step ``until`` (excluded) the rank's compute takes ``delay``
-  seconds longer (a sleep as its first forward of the step begins), as a throttled GPU or a
-  busy host would make it;
+* ``"slow"``: from step ``step`` to step ``until`` (excluded) the rank's compute takes ``times``
+  its usual compute longer (a sleep as its first forward of the step begins), as a throttled
+  GPU or a busy host would make it. Its compute is timed from the previous optimizer step to
+  the step's first all-reduce (all the script does between the two, more than a watch's clock
+  can hold), less the probe's sleep; the usual one is the median of its steps so far from step
+  1, taken when its first slowdown begins. A multiple, not seconds: a host busy with other work
+  stretches the compute several times, and slows the ranks as much, relative to their pace, as
+  an idle one;
 * ``"seed"``: before step 0 the rank's weights are drawn again from another seed, as a rank
   seeded differently would hold them;
 * ``"weight"`` or ``"momentum"``: right after step ``step``, bit ``bit`` of element ``index`` of
@@ -21,18 +26,20 @@ script did between the two steps (its guard); ``"raised"`` (no digests) if the s
 an exception, and whether its own code raised it or something it called. The plan leaves
 ``sys.argv`` before the script runs, so the script cannot read it.
 
-Standard library and torch only. Recording reads the state and never changes it.
+Standard library, torch and numpy (torch's) only. Recording reads the state and never changes it.
 """
 
 import hashlib
 import json
 import os
 import runpy
+import statistics
 import sys
 import time
 import traceback
 
 import torch
+import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -40,7 +47,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 def _digest(tensors) -> str:
     digest = hashlib.sha256()
     for tensor in tensors:
-        digest.update(bytes(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).tolist()))
+        # The bytes as numpy's buffer (torch loads numpy): a Python list of them took 14 ms a
+        # reading of this chapter's model, four readings a step, longer than the step's compute.
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()[:16]
 
 
@@ -56,6 +65,9 @@ class _Probe:
     def __init__(self, log: str, plan: list, rank: int):
         self.log, self.plan, self.steps = log, [f for f in plan if f["rank"] == rank], 0
         self.slowed = -1  # the last step whose compute was slowed: once a step, at its first forward
+        self.free_at, self.computed = None, []  # when the last step ended; each step's compute seconds
+        self.slept = 0.0
+        self.usual = None  # the median compute, taken when the first slowdown begins
 
     def record(self, optimizer, when: str, step: int) -> None:
         reading = {"step": step, "when": when, "weights": _digest(_parameters(optimizer)),
@@ -67,7 +79,17 @@ class _Probe:
         if self.slowed == self.steps:
             return
         self.slowed = self.steps
-        time.sleep(sum(f["delay"] for f in self.plan if f["what"] == "slow" and f["step"] <= self.steps < f["until"]))
+        times = sum(f["times"] for f in self.plan if f["what"] == "slow" and f["step"] <= self.steps < f["until"])
+        if times:
+            if self.usual is None:
+                self.usual = statistics.median(self.computed)  # the plans slow no rank before step 2
+            self.slept = times * self.usual
+            time.sleep(self.slept)
+
+    def before_all_reduce(self) -> None:
+        if self.free_at is not None:  # the step's first: its gradients are computed
+            self.computed.append(time.perf_counter() - self.free_at - self.slept)
+            self.free_at, self.slept = None, 0.0
 
     def before_step(self, optimizer, args, kwargs) -> None:
         if self.steps:
@@ -81,6 +103,7 @@ class _Probe:
                             p.copy_(torch.randn(p.shape, generator=generator).to(p.device) * p.std())
 
     def after_step(self, optimizer, args, kwargs) -> None:
+        self.free_at = time.perf_counter()
         step, self.steps = self.steps, self.steps + 1
         self.record(optimizer, "stepped", step)
         flips = [f for f in self.plan if f["step"] == step and f["what"] in ("weight", "momentum")]
@@ -98,6 +121,12 @@ def main() -> None:
     probe = _Probe(os.path.join(log, f"rank{rank}.jsonl"), json.loads(plan), rank)
     if any(fault["what"] == "slow" for fault in probe.plan):
         register_module_forward_pre_hook(probe.before_forward)
+        all_reduce = dist.all_reduce
+
+        def timed_all_reduce(*args, **kwargs):
+            probe.before_all_reduce()
+            return all_reduce(*args, **kwargs)
+        dist.all_reduce = timed_all_reduce  # the script looks it up at each call (dist.all_reduce)
     register_optimizer_step_pre_hook(probe.before_step)
     register_optimizer_step_post_hook(probe.after_step)
     script = os.path.abspath(script)
