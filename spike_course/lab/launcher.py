@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import re
 import selectors
 import shutil
@@ -132,9 +133,34 @@ class LaunchResult:
         return f"<LaunchResult {state}: {self.nproc} ranks in {self.seconds:.1f} s, reports from ranks {sorted(self.reports)}>"
 
 
+# Ports are drawn below the range the system hands out to outgoing connections (Linux's
+# ip_local_port_range, 32768-60999 by default; macOS's starts at 49152). A port taken with
+# bind(0) comes from that range, and between this check and rank 0's bind any connect, gloo's
+# among them, could take it as its own end: EADDRINUSE in a full test run on 2 loaded cores.
+PORTS_FROM = 20000
+_ports = random.SystemRandom()  # not `random`: a notebook seeds it, and two kernels would draw alike
+
+
+def _outgoing_ports_from() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: macOS's range, or none known
+        return 49152
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on right now, so that two launches never collide."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port nobody listens on right now and no outgoing connection will take, so that two
+    launches never collide."""
+    below = _outgoing_ports_from()
+    for _ in range(100 if below > PORTS_FROM + 1000 else 0):
+        port = _ports.randrange(PORTS_FROM, below)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # someone listens there: draw again
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a system whose range starts low
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

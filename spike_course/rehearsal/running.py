@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from ..lab.launcher import free_port
 from . import pods, reading as reading_
 
 # The line's own mistakes that a single machine would hide (all pods share its 127.0.0.1
@@ -120,7 +121,7 @@ def _run(run: Run, volume, preempt_at, timeout, cwd) -> None:
         shutil.copytree(volume, run.volume, symlinks=True)
     else:
         run.volume.mkdir()
-    hosts, port = _hosts(job.pods), _free_port()
+    hosts, port = _hosts(job.pods), free_port()
     workdir = Path(cwd) if cwd is not None else (folder / "workdir")
     workdir.mkdir(exist_ok=True)
     started, outputs = {}, {}
@@ -250,8 +251,3 @@ def _bindable(address: str) -> bool:
         except OSError:
             return False
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
