@@ -110,7 +110,7 @@ def doctor_lines() -> tuple[list[str], list[str], list[str]]:
     if torchrun != ours:  # the notebooks still run: launch starts python -m torch.distributed.run
         notes.append(f"this shell's torchrun is {torchrun or 'missing'}, not the course's {ours}: "
                         f"activate the course's environment (source {Path(environment_bin()) / 'activate'}), "
-                        "or open the terminal from `make lab` (chapters 07 and 16 type torchrun there)")
+                        "or open the terminal from `make lab` (chapters 07 and 17 type torchrun there)")
     for module, what in (("jupyterlab", "jupyterlab"), ("ipywidgets", "ipywidgets"),
                          ("jupyterlab_widgets", "widgets extension")):
         found = importlib.util.find_spec(module) is not None

@@ -121,7 +121,7 @@ def test_welcome_notebook_runs_in_jupyterlab(jupyterlab):
         browser.close()
 
 
-CAPSTONE = "16_capstone_your_own_job"
+CAPSTONE = "17_capstone_your_own_job"
 
 
 def _half_converted_capstone(path):

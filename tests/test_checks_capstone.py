@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from spike_course.course import conventions, exercises, workers
-from spike_course.checks import CheckFailed, ch16_capstone as capstone, check_capstone_job, check_capstone_submit
+from spike_course.checks import CheckFailed, ch17_capstone as capstone, check_capstone_job, check_capstone_submit
 from spike_course.runai import submit_command, torchrun_command
 
 from named import mistake_of, names
@@ -25,7 +25,7 @@ from named import mistake_of, names
 import course_files
 
 ROOT = Path(__file__).resolve().parents[1]
-STEM = "16_capstone_your_own_job"
+STEM = "17_capstone_your_own_job"
 SOLUTION_NOTEBOOK = course_files.notebook(ROOT / "solutions" / f"{STEM}.ipynb")
 SOLUTION = workers.worker_cells(SOLUTION_NOTEBOOK)[f"{STEM}/train.py"]
 SINGLE = workers.worker_cells(SOLUTION_NOTEBOOK)[f"{STEM}/single.py"]

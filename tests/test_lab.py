@@ -1,5 +1,5 @@
 """`make lab` as a learner uses it: a terminal opened in JupyterLab finds the course's
-torchrun, python and spike-course (chapters 00 and 16 send learners there)."""
+torchrun, python and spike-course (chapters 00 and 17 send learners there)."""
 
 import json
 import sys

@@ -10,7 +10,7 @@ from spike_course.cli import main
 import course_files
 
 ROOT = Path(__file__).resolve().parents[1]
-CAPSTONE = "16_capstone_your_own_job"
+CAPSTONE = "17_capstone_your_own_job"
 
 
 def test_a_learners_answers_are_exported_and_blanks_are_named(tmp_path, monkeypatch, capsys):

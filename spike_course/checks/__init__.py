@@ -23,7 +23,7 @@ from .ch04_pipeline_training import check_pipeline_training
 from .ch02_sampling import check_sampler
 from .ch05_tensor_parallel import check_tp_plan, check_vocab_parallel_embedding
 from .ch06_zero import check_fsdp2_checkpoint, check_zero1
-from .ch16_capstone import check_capstone_job, check_capstone_submit
+from .ch17_capstone import check_capstone_job, check_capstone_submit
 from .ch10_profiling import check_hang_diagnosis, check_straggler
 from .ch11_memory import check_fits_budget, check_peak_prediction
 from .ch12_context_parallel import check_ring_attention

@@ -163,8 +163,8 @@ Some lines name a file that a notebook cell writes before it launches the script
 
 - `--batch-file BATCH.pt` (chapter 04): one batch of digits, `(images, labels)`;
 - `--data-file DIGITS.pt` (chapter 04): `(train images, train labels, test images, test labels)`;
-- `--data ...` (chapter 16): the small file of tensors the capstone's check writes
-  (`16_capstone_your_own_job/capstone_check/data.pt`, once the check has run); leave `--data`
+- `--data ...` (chapter 17): the small file of tensors the capstone's check writes
+  (`17_capstone_your_own_job/capstone_check/data.pt`, once the check has run); leave `--data`
   out to train on MNIST.
 
 This writes chapter 04's two files (from MNIST in `data/`, or the course's synthetic digits
