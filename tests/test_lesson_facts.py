@@ -6,7 +6,7 @@ order in which FSDP2 averages gradients (chapter 11), the import torch.distribut
 needs (chapter 06), the flight recorder's older variable names (chapter 10) and ZeRO-1's
 traffic in the cost model (chapter 06). Then what the course says about clusters: the
 gradients' dtype that DDP reduces under autocast, where context_parallel_unshard lives and
-the pieces of async TP (chapters 05, 11, 12), the torchft pieces chapter 15 uses, and the numbers that chapters 05, 08, 12 and
+the pieces of async TP (chapters 05, 11, 12), the torchft pieces chapter 15 uses, what chapter 16 says FSDP2 does, and the numbers that chapters 05, 08, 12 and
 13 compute from the cost model, so that a change of the model that moves them fails here.
 """
 
@@ -317,3 +317,23 @@ def test_the_torchft_pieces_chapter_15_names():
     init = inspect.getsource(Manager.__init__)
     assert "checkpoint_transport = HTTPTransport" in init and HTTPTransport.__name__ == "HTTPTransport"
     assert {"model_fragments", "fragment_sync_delay", "outer_optimizer"} <= set(inspect.signature(DiLoCo).parameters)
+
+
+def test_what_chapter_16_says_fsdp2_does():
+    """Chapter 16.1 says FSDP2 reduce-scatters float32 gradients with ReduceOp.AVG (one division,
+    inside the collective), frees its buffers with untyped_storage().resize_(0), keeps the root's
+    parameters after the forward, and asks for more prefetching with two methods."""
+    import inspect
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_state
+
+    class TwoRanks:  # all the function asks of a process group
+        def size(self):
+            return 2
+
+    pre, post, reduce_scatter_op, _ = _fsdp_collectives._get_gradient_divide_factors(TwoRanks(), None, torch.float32)
+    assert (pre, post, reduce_scatter_op) == (None, None, torch.distributed.ReduceOp.AVG)
+    assert "resize_(0)" in inspect.getsource(_fsdp_param.free_storage)
+    assert "For the root, do not reshard after forward" in inspect.getsource(_fsdp_state)
+    assert {"set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch"} <= set(dir(FSDPModule))
