@@ -13,8 +13,9 @@ One JSON line per event in ``LOG/rank{R}.jsonl``:
   been issued with ``async_op=True`` and not yet waited for;
 * ``stepped``: a digest of the optimizer's parameters (the shards) after step ``step``.
 
-The last of the STEPS steps is traced (torch.profiler) into ``LOG/trace_rank{R}.json``.
-Standard library, torch and ``spike_course.runtime`` (the reference's process group) only.
+The last of the STEPS steps is traced (torch.profiler) into ``LOG/trace_rank{R}.json``. The
+ranks run on the CPU with gloo, also on a GPU node. Standard library, torch and
+``spike_course.runtime`` (the ranks' process group) only.
 """
 
 import json
@@ -118,7 +119,7 @@ def fsdp2(args) -> None:
     for name, default in (("--width", 128), ("--units", 4), ("--batch", 512), ("--steps", 3)):
         parser.add_argument(name, type=int, default=default)
     args = parser.parse_args(args)
-    ctx = runtime.setup(seed=0)
+    ctx = runtime.setup(device="cpu", seed=0)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(args.width, 2 * args.width), nn.Tanh(),
                                           nn.Linear(2 * args.width, args.width)) for _ in range(args.units)])
@@ -136,6 +137,16 @@ def fsdp2(args) -> None:
     runtime.teardown()
 
 
+def _on_the_cpu() -> None:
+    """The script's ranks join with gloo on the CPU, even on a GPU node: the trace is then
+    gloo's there too, its all-gathers on gloo's threads beside the compute on the main thread."""
+    import functools
+
+    from spike_course import runtime
+
+    runtime.setup = functools.partial(runtime.setup, device="cpu")
+
+
 def main() -> None:
     log, steps, script, *args = sys.argv[1:]
     rank = int(os.environ["RANK"])
@@ -144,6 +155,7 @@ def main() -> None:
         register_optimizer_step_post_hook(probe.after_reference_step)
         return fsdp2(args)
     probe.install()
+    _on_the_cpu()
     script = os.path.abspath(script)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` sets it: the script's own imports
