@@ -14,8 +14,8 @@ One JSON line per event in ``LOG/rank{R}.jsonl``:
 * ``stepped``: a digest of the optimizer's parameters (the shards) after step ``step``.
 
 The last of the STEPS steps is traced (torch.profiler) into ``LOG/trace_rank{R}.json``. The
-ranks run on the CPU with gloo, also on a GPU node. Standard library, torch and
-``spike_course.runtime`` (the ranks' process group) only.
+ranks run on the CPU with gloo, also on a GPU node. Standard library, torch,
+``spike_course.runtime`` (the ranks' process group) and chapter 15's probe's digest only.
 """
 
 import json
