@@ -23,8 +23,10 @@ def run(worker, name, *args, check=True):
 
 def test_the_straggler_detector_names_the_slow_rank_and_only_it(worker, no_orphans):
     for slow in (0, 2):  # rank 0 too: the median, not rank 0, is the yardstick
-        named = run(worker, "straggler.py", "--slow-rank", slow, "--delay", 0.03).reports[0]["named"]
-        assert [n["rank"] for n in named] == [slow]
+        report = run(worker, "straggler.py", "--slow-rank", slow, "--slower", 6).reports[0]
+        # a set: on a busy host one window of the slow rank can dip under --ratio, and the rank is
+        # named again two windows later, which is a true report too
+        assert {n["rank"] for n in report["named"]} == {slow}, report["windows"]
 
 
 @pytest.mark.parametrize("attempt", range(3))
