@@ -6,7 +6,7 @@ order in which FSDP2 averages gradients (chapter 11), the import torch.distribut
 needs (chapter 06), the flight recorder's older variable names (chapter 10) and ZeRO-1's
 traffic in the cost model (chapter 06). Then what the course says about clusters: the
 gradients' dtype that DDP reduces under autocast, where context_parallel_unshard lives and
-the pieces of async TP (chapters 05, 11, 12), the torchft pieces chapter 15 uses, what chapter 16 says FSDP2 does, and the numbers that chapters 05, 08, 12 and
+the pieces of async TP (chapters 05, 11, 12), the torchft pieces chapter 15 uses, what chapter 16 says FSDP2 does and FP8 is, and the numbers that chapters 05, 08, 12 and
 13 compute from the cost model, so that a change of the model that moves them fails here.
 """
 
@@ -337,3 +337,20 @@ def test_what_chapter_16_says_fsdp2_does():
     assert "resize_(0)" in inspect.getsource(_fsdp_param.free_storage)
     assert "For the root, do not reshard after forward" in inspect.getsource(_fsdp_state)
     assert {"set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch"} <= set(dir(FSDPModule))
+
+
+def test_what_chapter_16_says_of_the_fp8_formats():
+    """Chapter 16.2's text: e4m3 spans 2^-9 (about 0.002) to 448 with one NaN per sign and no
+    infinity (448 instead of IEEE-style 240), a relative step of 2^-3 and a smallest normal of 2^-6;
+    e5m2 reaches 57344 and has infinities; on the CPU an e4m3 cast clamps to 448 (infinity too)
+    and an e5m2 cast past its largest value gives infinity."""
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    every = torch.arange(256, dtype=torch.uint8)
+    values = every.view(e4m3).float()
+    finite = values[values.isfinite()]
+    assert (torch.finfo(e4m3).max, finite[finite > 0].min().item(), torch.finfo(e4m3).smallest_normal) == (448, 2**-9, 2**-6)
+    assert torch.finfo(e4m3).eps == 2**-3 and int(values.isnan().sum()) == 2 and not values.isinf().any()
+    assert 2**7 * (1 + 7 / 8) == 240  # IEEE-style e4m3 keeps exponent 1111 for infinities and NaNs
+    assert torch.finfo(e5m2).max == 57344 and int(every.view(e5m2).float().isinf().sum()) == 2
+    assert torch.tensor([449.0, 1e4, float("inf"), -1e4]).to(e4m3).float().tolist() == [448, 448, 448, -448]
+    assert torch.tensor([61440.0, 1e6]).to(e5m2).float().isinf().all()
