@@ -25,8 +25,12 @@ from ..mistakes import CheckFailed
 
 _BUILTINS = ("abs", "all", "any", "float", "int", "isinstance", "len", "max", "min", "print", "range",
              "repr", "round", "sorted", "str", "sum", "zip")
-_TORCH = ("allclose", "equal", "isclose", "is_tensor", "as_tensor", "tensor")
-_TENSOR = ("allclose", "equal", "item", "tolist", "__eq__", "double", "float")
+_TORCH = ("allclose", "equal", "isclose", "is_tensor", "as_tensor", "tensor",
+          # chapter 16's FP8 check casts, compares bits and multiplies as the answer's GEMM would
+          "_scaled_mm", "frexp", "broadcast_shapes", "maximum", "float8_e4m3fn", "uint8", "Generator", "randn")
+_TENSOR = ("allclose", "equal", "item", "tolist", "__eq__", "double", "float",
+           "to", "view", "abs", "amax", "clone", "sum", "mean", "all", "__mul__", "__matmul__", "__ne__", "__gt__",
+           "__lt__", "__le__")
 # What a module holds that a check relies on: its functions and classes, and its tuples (the
 # checks' tables of mistakes are tuples of Mistakes: rebinding one would empty a check).
 _KINDS = (types.FunctionType, types.BuiltinFunctionType, type, tuple)
