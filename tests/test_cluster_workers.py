@@ -37,6 +37,7 @@ WORKERS = {
     "05_tensor_parallel/api_tp.py": ["--steps", "2"],
     "06_fully_sharded_data_parallel/fsdp2.py": ["--steps", "2", "--factors", "1", "2"],
     "07_launching_at_scale/train.py": ["--steps", "4", "--limit", "256", "--ckpt", "ckpt.pt"],
+    "16_what_large_jobs_run_today/zero3.py": ["--width", "64", "--batch", "32", "--steps", "2"],
 }
 
 
