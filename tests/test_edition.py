@@ -79,7 +79,8 @@ def test_the_lectures_it_ran_are_recorded_with_the_machine(site):
     root, _ = site
     data = run_times.load(root / "notebooks" / "run_times.json")
     assert sorted(data["lectures"]) == ["00_first", "01_second", "03_widget"]
-    assert all(0 < e["seconds"] < 120 and e["machine"] == run_times.machine() for e in data["lectures"].values()), (data, run_times.machine())
+    assert all(0 < e["seconds"] < 120 and e["machine"] == run_times.machine()
+               for e in data["lectures"].values()), (data, run_times.machine())
     assert data["builds"] == {}
 
 
