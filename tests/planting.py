@@ -5,7 +5,10 @@ replaced, every variant of a function in one launch."""
 import re
 import textwrap
 
+from spike_course.course import conventions
 from spike_course.course.conventions import BEGIN, region_matches
+
+import course_files
 
 
 def replace_region(source: str, number: int, code: str, regions: int | None = None) -> str:
@@ -70,3 +73,11 @@ def answer_function(source: str, name: str, old: str = "", new: str = "", namesp
     namespace = dict(namespace or {})
     exec(source.replace(old, new, 1), namespace)  # noqa: S102 - the course's own solution
     return namespace[name]
+
+
+def solution_cell(stem: str, function: str) -> str:
+    """The source of the solution cell of solutions/``stem``.ipynb that defines ``function`` (with
+    its solution region), for :func:`answer_function`."""
+    notebook = course_files.notebook(course_files.ROOT / "solutions" / f"{stem}.ipynb")
+    return next(cell.source for cell in notebook.cells if cell.cell_type == "code"
+                and conventions.has_solution(cell) and f"def {function}(" in cell.source)

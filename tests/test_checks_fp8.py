@@ -4,21 +4,13 @@ The answer is fp8_operands, the solution cell's function; each test changes one 
 calls the check in this process (no rank is started: the check draws its operands and runs
 torch._scaled_mm on the CPU)."""
 
-from pathlib import Path
-
 import pytest
 
-from spike_course.course import conventions
 from spike_course.checks import CheckFailed, Tampering, check_fp8_operands, ch16_fp8
 from named import mistake_of, names
-from planting import answer_function
+from planting import answer_function, solution_cell
 
-import course_files
-
-ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = course_files.notebook(ROOT / "solutions" / "16_what_large_jobs_run_today.ipynb")
-SOLUTION = next(cell.source for cell in NOTEBOOK.cells
-                if cell.cell_type == "code" and conventions.has_solution(cell) and "def fp8_operands(" in cell.source)
+SOLUTION = solution_cell("16_what_large_jobs_run_today", "fp8_operands")
 POWER = "torch.exp2(torch.floor(torch.log2(torch.finfo(torch.float8_e4m3fn).max / amax)))"
 
 

@@ -356,3 +356,26 @@ def test_what_chapter_16_says_of_the_fp8_formats():
     assert torch.finfo(e5m2).max == 57344 and int(every.view(e5m2).float().isinf().sum()) == 2
     assert torch.tensor([449.0, 1e4, float("inf"), -1e4]).to(e4m3).float().tolist() == [448, 448, 448, -448]
     assert torch.tensor([61440.0, 1e6]).to(e5m2).float().isinf().all()
+
+
+def test_what_chapter_16_says_of_torch_s_zero_bubble_schedules():
+    """Chapter 16.3's text: ZBV and DualPipeV refuse any number of stages a rank but two, and the
+    schedules that run I and W apart refuse a stage compiled with torch.compile."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def stage(index, module=None):
+        return PipelineStage(module or torch.nn.Linear(1, 1), index, 4, torch.device("cpu"))
+
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        for schedule in (schedules.ScheduleZBVZeroBubble, schedules.ScheduleDualPipeV):
+            with pytest.raises(ValueError, match="requires exactly 2 stages per rank"):
+                schedule([stage(0)], 4, loss_fn=lambda out, target: out.sum())
+        for schedule in (schedules.ScheduleInterleavedZeroBubble, schedules.ScheduleZBVZeroBubble,
+                         schedules.ScheduleDualPipeV):
+            with pytest.raises(RuntimeError, match="not supported with stage modules that have used torch.compile"):
+                schedule([stage(0, torch.compile(torch.nn.Linear(1, 1))), stage(3)], 4,
+                         loss_fn=lambda out, target: out.sum())
+    finally:
+        torch.distributed.destroy_process_group()

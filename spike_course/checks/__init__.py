@@ -33,6 +33,7 @@ from .ch14_preemption import check_preemption_safe
 from .ch15_training_through_failures import check_corruption_guard, check_straggler_watch
 from .ch16_fp8 import check_fp8_operands
 from .ch16_large_jobs import check_sharded_blocks
+from .ch16_zero_bubble import check_zero_bubble_order
 
 # Guarded against code in the notebook (see _guard): each check verifies that nothing it
 # relies on was replaced since this import, and this package refuses new values.

@@ -62,4 +62,6 @@ from .pipeline import (
     pipeline_schedule,
     pipeline_idle_fraction,
     pipeline_peak_activations,
+    PipelineDeadlock,
+    simulate_pipeline,
 )

@@ -6,13 +6,15 @@ import matplotlib.pyplot as plt
 
 from ..costmodel.pipeline import as_event
 
-PHASE_COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
+PHASE_COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:red", "W": "tab:green"}
+PHASE_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
 
 
 def pipeline_gantt(events, ax=None, title: str | None = None, unit: str = "s",
                    scale: float = 1.0, label: bool = True):
     """Gantt chart of a pipeline step: one row per rank, one box per micro-batch's
-    forward (blue) or backward (orange), numbered by micro-batch; white space is idle.
+    forward (blue) or backward (orange), numbered by micro-batch; white space is idle. A
+    backward split in two (chapter 16) draws its input gradient red and its weight gradient green.
 
     ``events``: dicts ``{"rank", "microbatch", "phase", "start", "end"}`` (or tuples in
     that order), measured by a worker or made by
@@ -42,8 +44,9 @@ def pipeline_gantt(events, ax=None, title: str | None = None, unit: str = "s",
     ax.set_yticks(range(n_ranks), [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({unit})")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=PHASE_COLORS[p]) for p in ("F", "B")]
-    ax.legend(handles, ["forward", "backward"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    phases = [p for p in PHASE_NAMES if p in {e["phase"] for e in events}]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=PHASE_COLORS[p]) for p in phases]
+    ax.legend(handles, [PHASE_NAMES[p] for p in phases], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     if title:
         ax.set_title(title)
     fig.tight_layout()
