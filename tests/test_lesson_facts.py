@@ -365,7 +365,7 @@ def test_what_chapter_16_says_of_torch_s_zero_bubble_schedules():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     def stage(index, module=None):
-        return PipelineStage(module or torch.nn.Linear(1, 1), index, 4, torch.device("cpu"))
+        return PipelineStage(torch.nn.Linear(1, 1) if module is None else module, index, 4, torch.device("cpu"))
 
     torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
@@ -377,5 +377,38 @@ def test_what_chapter_16_says_of_torch_s_zero_bubble_schedules():
             with pytest.raises(RuntimeError, match="not supported with stage modules that have used torch.compile"):
                 schedule([stage(0, torch.compile(torch.nn.Linear(1, 1))), stage(3)], 4,
                          loss_fn=lambda out, target: out.sum())
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_what_chapter_16_says_of_async_tp_s_compiler_pass():
+    """Chapter 16.4's text: enable_symm_mem_for_group says it is deprecated and need not be called,
+    yet async TP's pass fuses an all-gather with its matrix product only after that call (the
+    lecture shows it with torch's test switch, since the real call holds for the process)."""
+    import warnings
+
+    import torch.distributed._functional_collectives as funcol
+    from torch._inductor.fx_passes.micro_pipeline_tp import micro_pipeline_tp_pass
+    from torch.distributed import _symmetric_memory
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def fused(group):
+        def block(x_shard, w):
+            return funcol.all_gather_single(x_shard, 0, group) @ w
+
+        graph = make_fx(block, tracing_mode="fake")(torch.randn(64, 32), torch.randn(32, 16)).graph
+        micro_pipeline_tp_pass(graph)
+        return any("fused_all_gather_matmul" in str(node.target) for node in graph.nodes)
+
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        group = torch.distributed.new_group([0, 1])  # a group of this test's own to enable
+        assert not fused(group)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            _symmetric_memory.enable_symm_mem_for_group(group.group_name)
+        assert "There is no need to call this function anymore" in str(said[0].message)
+        assert fused(group)
     finally:
         torch.distributed.destroy_process_group()

@@ -45,6 +45,26 @@ def largest_difference(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
+def name_a_stopped_launch(job, what: str) -> None:
+    """Fail, saying why, where a launch made with ``check=False`` did not end well: ``what`` not
+    written yet (a rank stopped at its ``raise NotImplementedError``), a timeout, or a rank that
+    failed; return where every rank ended well."""
+    _name_blank_or_timeout(job, what)
+    if not job.ok:
+        raise CheckFailed(f"rank {job.failure.rank} failed (exit code {job.failure.code}): {job.failure.error}. "
+                          "Run the script with spike_course.launch to see its traceback.")
+
+
+def _name_blank_or_timeout(job, what: str) -> None:
+    if job.failure is not None and job.failure.blank:
+        raise CheckFailed(f"{what} is not written yet: a rank stopped at `raise NotImplementedError`. "
+                          "Replace that line with your code and run it again.")
+    if job.timed_out:
+        raise CheckFailed(f"the workers timed out after {job.seconds:.0f} s: a rank waited in a collective or a "
+                          "transfer that another rank never entered (every rank must make the same collective "
+                          "calls, and each send needs its receive).")
+
+
 def launch_reports(job, what: str) -> dict:
     """The ranks' reports of a launch made with ``check=False`` (so that a blank or broken
     exercise reaches its check), once what leaves nothing to compare has been named: ``what``
@@ -52,13 +72,8 @@ def launch_reports(job, what: str) -> dict:
     rank that failed before it reported. A plain {rank: report} dict passes through."""
     if not hasattr(job, "reports"):
         return job
+    _name_blank_or_timeout(job, what)
     failure = job.failure
-    if failure is not None and failure.blank:
-        raise CheckFailed(f"{what} is not written yet: a rank stopped at `raise NotImplementedError`. "
-                          "Replace that line with your code and run the workers again.")
-    if job.timed_out:
-        raise CheckFailed(f"the workers timed out after {job.seconds:.0f} s: a rank waited in a collective "
-                          "that another rank never entered (every rank must make the same collective calls).")
     missing = [r for r in range(job.nproc) if r not in job.reports]
     if missing:
         if failure is None or failure.code in (0, None):

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ._common import CheckFailed, Mistake, name_the_first, passed
+from ._common import CheckFailed, Mistake, name_a_stopped_launch, name_the_first, passed
 
 PROBE = Path(__file__).parents[1] / "lab" / "failures_probe.py"
 WORLD = 3
@@ -347,12 +347,7 @@ def check_straggler_watch(script, seed: int | None = None) -> None:
     if job is None or job.timed_out:
         raise CheckFailed("the job hung: a rank waited in a collective that others never entered. Every rank must "
                           "call the watch's collectives at the same steps.")
-    if job.failure is not None and job.failure.blank:
-        raise CheckFailed("StragglerWatch is not written yet: a rank stopped at `raise NotImplementedError`. "
-                          "Replace that line with your code and run the check again.")
-    if not job.ok:
-        raise CheckFailed(f"rank {job.failure.rank} failed (exit code {job.failure.code}): {job.failure.error}. "
-                          "Run the script with spike_course.launch to see its traceback.")
+    name_a_stopped_launch(job, "StragglerWatch")
     pace = Pace({r: job.reports[r].get("named", []) for r in range(PACE_WORLD)}, plan)
     name_the_first(PACE_MISTAKES, pace)
     if pace.healthy_named:  # no slip names healthy ranks reliably here (whole steps timed may): said plainly
