@@ -412,3 +412,19 @@ def test_what_chapter_16_says_of_async_tp_s_compiler_pass():
         assert fused(group)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_what_chapter_16_says_of_compiling_fsdp2():
+    """Chapter 16.5's text: FSDP2 wraps its hooks in torch._dynamo.disable ("skipping FSDP hooks"),
+    Module.compile() compiles __call__ (which runs the hooks), and the compiler's bucketing and
+    reordering of collectives are off by default."""
+    import inspect
+
+    from torch._inductor import config as inductor
+    from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_state
+
+    assert 'reason="skipping FSDP hooks"' in inspect.getsource(_fsdp_common._dynamo_disable)
+    for hook in ("_pre_forward", "_post_forward"):
+        assert "@_dynamo_disable" in inspect.getsource(getattr(_fsdp_state.FSDPState, hook))
+    assert "torch.compile(self._call_impl" in inspect.getsource(torch.nn.Module.compile)
+    assert (inductor.bucket_all_gathers_fx, inductor.reorder_for_compute_comm_overlap) == ("none", False)
