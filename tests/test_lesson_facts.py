@@ -358,30 +358,35 @@ def test_what_chapter_16_says_of_the_fp8_formats():
     assert torch.tensor([61440.0, 1e6]).to(e5m2).float().isinf().all()
 
 
-def test_what_chapter_16_says_of_torch_s_zero_bubble_schedules():
+@pytest.fixture
+def fake_world():
+    """This process as rank 0 of a fake process group of 2 ranks (nothing is sent), for the test."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_what_chapter_16_says_of_torch_s_zero_bubble_schedules(fake_world):
     """Chapter 16.3's text: ZBV and DualPipeV refuse any number of stages a rank but two, and the
     schedules that run I and W apart refuse a stage compiled with torch.compile."""
     from torch.distributed.pipelining import PipelineStage, schedules
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     def stage(index, module=None):
         return PipelineStage(torch.nn.Linear(1, 1) if module is None else module, index, 4, torch.device("cpu"))
 
-    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
-        for schedule in (schedules.ScheduleZBVZeroBubble, schedules.ScheduleDualPipeV):
-            with pytest.raises(ValueError, match="requires exactly 2 stages per rank"):
-                schedule([stage(0)], 4, loss_fn=lambda out, target: out.sum())
-        for schedule in (schedules.ScheduleInterleavedZeroBubble, schedules.ScheduleZBVZeroBubble,
-                         schedules.ScheduleDualPipeV):
-            with pytest.raises(RuntimeError, match="not supported with stage modules that have used torch.compile"):
-                schedule([stage(0, torch.compile(torch.nn.Linear(1, 1))), stage(3)], 4,
-                         loss_fn=lambda out, target: out.sum())
-    finally:
-        torch.distributed.destroy_process_group()
+    for schedule in (schedules.ScheduleZBVZeroBubble, schedules.ScheduleDualPipeV):
+        with pytest.raises(ValueError, match="requires exactly 2 stages per rank"):
+            schedule([stage(0)], 4, loss_fn=lambda out, target: out.sum())
+    for schedule in (schedules.ScheduleInterleavedZeroBubble, schedules.ScheduleZBVZeroBubble,
+                     schedules.ScheduleDualPipeV):
+        with pytest.raises(RuntimeError, match="not supported with stage modules that have used torch.compile"):
+            schedule([stage(0, torch.compile(torch.nn.Linear(1, 1))), stage(3)], 4,
+                     loss_fn=lambda out, target: out.sum())
 
 
-def test_what_chapter_16_says_of_async_tp_s_compiler_pass():
+def test_what_chapter_16_says_of_async_tp_s_compiler_pass(fake_world):
     """Chapter 16.4's text: enable_symm_mem_for_group says it is deprecated and need not be called,
     yet async TP's pass fuses an all-gather with its matrix product only after that call (the
     lecture shows it with torch's test switch, since the real call holds for the process)."""
@@ -391,7 +396,6 @@ def test_what_chapter_16_says_of_async_tp_s_compiler_pass():
     from torch._inductor.fx_passes.micro_pipeline_tp import micro_pipeline_tp_pass
     from torch.distributed import _symmetric_memory
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     def fused(group):
         def block(x_shard, w):
@@ -401,17 +405,13 @@ def test_what_chapter_16_says_of_async_tp_s_compiler_pass():
         micro_pipeline_tp_pass(graph)
         return any("fused_all_gather_matmul" in str(node.target) for node in graph.nodes)
 
-    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
-        group = torch.distributed.new_group([0, 1])  # a group of this test's own to enable
-        assert not fused(group)
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            _symmetric_memory.enable_symm_mem_for_group(group.group_name)
-        assert "There is no need to call this function anymore" in str(said[0].message)
-        assert fused(group)
-    finally:
-        torch.distributed.destroy_process_group()
+    group = torch.distributed.new_group([0, 1])  # a group of this test's own to enable
+    assert not fused(group)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _symmetric_memory.enable_symm_mem_for_group(group.group_name)
+    assert "There is no need to call this function anymore" in str(said[0].message)
+    assert fused(group)
 
 
 def test_what_chapter_16_says_of_compiling_fsdp2():

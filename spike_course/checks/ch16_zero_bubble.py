@@ -84,11 +84,6 @@ class Case:
     def span(self) -> float:
         return max(e["end"] for e in self.events)
 
-    def idle(self) -> dict:
-        """rank -> its idle time units beyond the floor's stages - 1."""
-        busy = {r: 3 * self.microbatches for r in self.orders}
-        return {r: self.span - b - (self.stages - 1) for r, b in busy.items()}
-
     def weight_right_after_input(self) -> bool:
         """Every W runs straight after its own I, on every rank: the lecture's split."""
         return all(order[k + 1] == ("W", i) for order in self.orders.values()
@@ -160,11 +155,12 @@ def _split_message(cases) -> str:
 
 def _bubble_message(cases) -> str:
     case = _first(cases, _bubble)
-    idle = ", ".join(f"rank {r}: {units:g}" for r, units in case.idle().items() if units > 0)
+    # Every rank has the same 3 x micro-batches units of work in the same step, so each idles
+    # span - floor units more than the floor allows.
     return (f"{case.size}, the step takes {case.span:g} units, more than the floor of {case.floor:g} "
             f"(3 x {case.microbatches} units of work and the {case.stages - 1} forwards before the last rank can "
-            f"start); idle beyond that, in units: {idle}. Where in the step do those ranks wait, and which of "
-            "their actions could run then? (Hint 2)")
+            f"start): every rank idles {case.span - case.floor:g} units more than it must. Where in the step do "
+            "the ranks wait, and which of their actions could run then? (Hint 2)")
 
 
 # The answer's orders, judged in this order at every size: the actions (a whole backward, then
