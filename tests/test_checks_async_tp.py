@@ -8,7 +8,7 @@ on 2 cores); the solution and the blank go through the check itself, a launch ea
 import pytest
 
 from spike_course.checks import ch16_async_tp
-from spike_course.checks import check_matmul_reduce_scatter
+from spike_course.checks import Tampering, check_matmul_reduce_scatter
 from spike_course.course import conventions
 from named import mistake_of, names
 from planting import planted
@@ -78,6 +78,19 @@ def test_a_planted_mistake_is_named(name, planted_runs):
 def test_the_blank_exercise_is_named(worker, no_orphans):
     with names(None, says="not written yet"):
         check_matmul_reduce_scatter(worker(conventions.blank_source(WORKER), "matmul_reduce_scatter.py"))
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("forgery, replaced", [
+    ('sys.modules["__main__"]._judge = lambda *args: {"error": 0.0}', "probe._judge"),
+    ("torch.equal = lambda *args: True", "torch.equal"),
+])
+def test_an_answer_that_replaces_what_the_probe_judges_with_is_named(forgery, replaced, worker, no_orphans):
+    """The answer runs in the probe's process: one that rebinds the probe's judgement (then returns
+    zeros after empty-handed transfers), or the comparison that sees changed inputs, is named."""
+    forged = WORKER.replace("import torch\n", f"import sys\n\nimport torch\n\n{forgery}\n", 1)
+    with pytest.raises(Tampering, match=replaced):
+        check_matmul_reduce_scatter(worker(forged, "matmul_reduce_scatter.py"))
 
 
 def test_the_overlap_is_read_from_the_order_of_events():

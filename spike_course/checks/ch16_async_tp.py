@@ -6,7 +6,9 @@ learner's script as a module, calls its ``matmul_reduce_scatter`` on inputs of i
 and records outside the answer's reach every transfer issued, every handle waited for, every
 matrix product and every other collective, in order; the bytes sent; whether the inputs changed;
 and how far each rank's result is from the exact sum of its rows, within the bound float32
-allows (or which wrong sum it is). The check judges what the four ranks recorded.
+allows (or which wrong sum it is). The answer runs in the probe's process, so the probe notes
+anything of its own, or of the torch functions it judges with, that the answer replaced, and the
+check names that as tampering. The check judges what the four ranks recorded.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ._common import CheckFailed, Mistake, name_a_stopped_launch, name_the_first, passed
+from ._guard import Tampering
 
 PROBE = Path(__file__).parents[1] / "lab" / "ring_probe.py"
 WORLD = 4
@@ -113,6 +116,10 @@ MISTAKES = (
 
 def judge(run: Run) -> None:
     """Name the first mistake the run shows, or fail on what no mistake explains."""
+    rank, record = run.first(lambda rec: rec.get("tampered"))
+    if rank is not None:
+        raise Tampering(f"on rank {rank} your script replaced what the check's probe records and judges with: "
+                        f"{', '.join(record['tampered'])}. Leave them as they are.")
     for rank, record in run.ranks.items():
         if record["shape"] != [ROWS, OUTPUTS]:
             raise CheckFailed(f"rank {rank}'s result is {record['shape']}: return the sums of the rank's own "

@@ -10,6 +10,8 @@ ranks run; several scripts, one after the other in one launch, are the tests' pl
   sends and receives call too) and ``"product"`` (a matrix product: ``mm``, ``addmm``, ``bmm``);
 * ``collectives``: any other c10d operation the answer ran (an all-reduce, a reduce-scatter);
 * ``sent_bytes``: the bytes of every tensor it sent;
+* ``tampered``: what of the probe's own functions, or of the torch and json functions it judges
+  with, the answer replaced (the name of each); such an answer is recorded, not judged;
 * ``changed``: whether it changed its inputs;
 * ``shape`` of what it returned, and, where that is the rank's rows: ``error``, the largest
   distance from the exact sum of the rank's rows over the bound that float32 allows, and which
@@ -95,7 +97,22 @@ def _judge(out, partials, sums, bound, rank, world) -> dict:
     return found
 
 
-def _run(path, log, rank, world, device) -> None:
+def _watched() -> dict:
+    """What the probe records and judges with: its own functions and classes (and what they
+    hold), and the torch and json functions they call. The answer runs in this process; one that
+    replaced any of these is named (``tampered``), not judged."""
+    found = {f"probe.{name}": value for name, value in vars(sys.modules[__name__]).items() if callable(value)}
+    found.update({f"_Recorder.{name}": value for name, value in vars(_Recorder).items()})
+    found.update({f"torch.{name}": getattr(torch, name) for name in ("equal", "empty", "randn", "Generator")})
+    found.update({f"torch.Tensor.{name}": getattr(torch.Tensor, name)
+                  for name in ("abs", "double", "max", "clone", "view", "sum", "__sub__", "__add__", "__truediv__",
+                               "__matmul__", "__float__", "numel", "element_size")})
+    found.update({f"dist.{name}": getattr(dist, name) for name in ("all_gather_single", "all_reduce", "barrier")})
+    found["json.dump"] = json.dump
+    return found
+
+
+def _run(path, log, rank, world, device, watched) -> None:
     function = runpy.run_path(path, run_name="ring_probe_answer")["matmul_reduce_scatter"]
     h, w = _inputs(rank, device)
     partials, sums, bound = _sums(h, w, rank, world)
@@ -116,22 +133,31 @@ def _run(path, log, rank, world, device) -> None:
             out = function(*given)
     finally:
         WORK.wait = original_wait
+    replaced = sorted(name for name, value in _watched().items() if watched.get(name) is not value)
+    if replaced:
+        record["tampered"] = replaced  # nothing judged with what the answer replaced
+        return _write(record, log, rank, watched["json.dump"])
     record["changed"] = not (torch.equal(given[0], h) and torch.equal(given[1], w))
     record["shape"] = list(out.shape) if isinstance(out, torch.Tensor) else repr(out)[:80]
     if isinstance(out, torch.Tensor) and record["shape"] == [ROWS, OUTPUTS]:
         record.update(_judge(out, partials, sums, bound, rank, world))
     dist.barrier()  # every rank done with this answer before the next one's transfers begin
+    _write(record, log, rank, json.dump)
+
+
+def _write(record, log, rank, dump) -> None:
     os.makedirs(log, exist_ok=True)
     with open(os.path.join(log, f"rank{rank}.json"), "w") as out_file:
-        json.dump(record, out_file)
+        dump(record, out_file)
 
 
 def main() -> None:
     log, *scripts = sys.argv[1:]
     del sys.argv[1:]  # the answer sees no argument of the probe's
     ctx = runtime.setup(device="cpu", seed=0)
+    watched = _watched()  # before any answer is loaded: its module code runs at loading
     for number, script in enumerate(scripts):
-        _run(script, os.path.join(log, str(number)), ctx.rank, ctx.world_size, ctx.device)
+        _run(script, os.path.join(log, str(number)), ctx.rank, ctx.world_size, ctx.device, watched)
     runtime.teardown()
 
 
