@@ -90,6 +90,26 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class ClippedBlock(nn.Module):
+    """A residual MLP block as a research script writes it for eager PyTorch: an update whose
+    largest magnitude exceeds ``limit`` is scaled down to it, and the update is scaled by
+    ``depth`` (the block's place in the stack). Chapter 16.5's exercise makes it compile as one
+    graph that every block shares, with the same bits."""
+
+    def __init__(self, dim: int, depth: int, limit: float = 1.0):
+        super().__init__()
+        self.depth, self.limit = depth, limit
+        self.up = nn.Linear(dim, 4 * dim, bias=False)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = self.down(torch.relu(self.up(x)))
+        peak = update.abs().amax()
+        if peak > self.limit:
+            update = update * (self.limit / peak)
+        return x + update * (self.depth + 1) ** -0.5
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, dim: int, n_heads: int, hidden: int):
         super().__init__()

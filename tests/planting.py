@@ -76,8 +76,9 @@ def answer_function(source: str, name: str, old: str = "", new: str = "", namesp
 
 
 def solution_cell(stem: str, function: str) -> str:
-    """The source of the solution cell of solutions/``stem``.ipynb that defines ``function`` (with
-    its solution region), for :func:`answer_function`."""
+    """The source of the solution cell of solutions/``stem``.ipynb that defines ``function`` (a
+    function or a class, with its solution region), for :func:`answer_function`."""
     notebook = course_files.notebook(course_files.ROOT / "solutions" / f"{stem}.ipynb")
     return next(cell.source for cell in notebook.cells if cell.cell_type == "code"
-                and conventions.has_solution(cell) and f"def {function}(" in cell.source)
+                and conventions.has_solution(cell)
+                and (f"def {function}(" in cell.source or f"class {function}(" in cell.source))

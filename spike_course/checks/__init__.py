@@ -32,6 +32,7 @@ from .ch13_sizing import check_job_plan
 from .ch14_preemption import check_preemption_safe
 from .ch15_training_through_failures import check_corruption_guard, check_straggler_watch
 from .ch16_async_tp import check_matmul_reduce_scatter
+from .ch16_compile_ready import check_compile_ready_block
 from .ch16_fp8 import check_fp8_operands
 from .ch16_large_jobs import check_sharded_blocks
 from .ch16_zero_bubble import check_zero_bubble_order

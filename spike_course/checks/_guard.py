@@ -27,7 +27,9 @@ _BUILTINS = ("abs", "all", "any", "float", "int", "isinstance", "len", "max", "m
              "repr", "round", "sorted", "str", "sum", "zip")
 _TORCH = ("allclose", "equal", "isclose", "is_tensor", "as_tensor", "tensor",
           # chapter 16's FP8 check casts, compares bits and multiplies as the answer's GEMM would
-          "_scaled_mm", "frexp", "broadcast_shapes", "maximum", "float8_e4m3fn", "uint8", "Generator", "randn")
+          "_scaled_mm", "frexp", "broadcast_shapes", "maximum", "float8_e4m3fn", "uint8", "Generator", "randn",
+          # ...and 16.5's compiles the answer's forward with a backend that counts graphs
+          "compile")
 _TENSOR = ("allclose", "equal", "item", "tolist", "__eq__", "double", "float",
            "to", "view", "abs", "amax", "clone", "sum", "mean", "all", "__mul__", "__matmul__", "__ne__", "__gt__",
            "__lt__", "__le__")
@@ -37,7 +39,8 @@ _KINDS = (types.FunctionType, types.BuiltinFunctionType, type, tuple)
 # The modules whose classes the checks judge with: the verdict's shape, the launch result they
 # read, their own readings. (Not the launcher's machinery, which the tests patch to refuse a
 # process where a test did not say it starts one.)
-_JUDGING = ("spike_course.mistakes", "spike_course.lab.launcher", "spike_course.checks")
+_JUDGING = ("spike_course.mistakes", "spike_course.lab.launcher", "spike_course.checks",
+            "spike_course.models")  # 16.5's check compares with ClippedBlock's forward
 
 
 class Tampering(CheckFailed):
