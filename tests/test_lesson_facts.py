@@ -428,3 +428,28 @@ def test_what_chapter_16_says_of_compiling_fsdp2():
         assert "@_dynamo_disable" in inspect.getsource(getattr(_fsdp_state.FSDPState, hook))
     assert "torch.compile(self._call_impl" in inspect.getsource(torch.nn.Module.compile)
     assert (inductor.bucket_all_gathers_fx, inductor.reorder_for_compute_comm_overlap) == ("none", False)
+
+
+GLOO_FLOAT8 = """
+import os, tempfile
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
+shard = torch.ones(4).to(torch.float8_e4m3fn)
+try:
+    dist.all_gather_single(torch.empty(4, dtype=torch.float8_e4m3fn), shard)
+    print("gathered as float8")
+except RuntimeError as error:
+    print("refused:", error)
+out = torch.empty(4, dtype=torch.float8_e4m3fn)
+dist.all_gather_single(out.view(torch.uint8), shard.view(torch.uint8))
+print("as uint8 equal:", torch.equal(out.view(torch.uint8), shard.view(torch.uint8)))
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_refuses_float8_and_gathers_its_bytes_as_uint8():
+    """Chapter 16.2's torchao worker: gloo has no FP8 type, so FSDP2's FP8 all-gather fails on
+    it ('Invalid scalar type'); the worker gathers the same bytes viewed as uint8 there."""
+    done = subprocess.run([sys.executable, "-c", GLOO_FLOAT8], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "refused: Invalid scalar type" in done.stdout and "as uint8 equal: True" in done.stdout, done.stdout
