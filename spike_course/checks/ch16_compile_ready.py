@@ -5,9 +5,9 @@
 ``fullgraph=True``, as 16.5 compiled FSDP2's blocks (their hooks outside), and with a backend of
 the check's own: it counts the graphs Dynamo hands it and runs them as AOTAutograd traces them
 for Inductor, forward and backward (torch's ``aot_eager``: no compiler, so the operations are
-eager's and so are the bits). Both stacks run
-on two batches the check draws: a calm one, whose updates stay within the limit in every block,
-and a spiky one, whose updates exceed it in every block. The answer must break no graph, compile
+eager's and so are the bits). Both stacks run on two batches the check draws: a calm one, whose
+updates stay within the limit in every block, and a spiky one, whose updates exceed it in every
+block. The answer must break no graph, compile
 one graph for all blocks and both batches, and give the original's outputs, input gradients and
 weight gradients bit for bit.
 """
@@ -33,6 +33,7 @@ class Setting(NamedTuple):
 
 
 SETTING = Setting()
+BLANK = "your block still raises NotImplementedError: write it first."
 
 
 class Run(NamedTuple):
@@ -67,7 +68,7 @@ def _answer_blocks(answer, originals) -> list:
     try:
         blocks = [answer(SETTING.dim, depth) for depth in range(SETTING.blocks)]
     except NotImplementedError:
-        raise CheckFailed("your block still raises NotImplementedError: write it first.") from None
+        raise CheckFailed(BLANK) from None
     except TypeError as error:
         raise CheckFailed(f"{answer.__name__}(dim, depth) failed ({error}): keep ClippedBlock's constructor, "
                           "as a subclass does that calls super().__init__(dim, depth, limit).") from None
@@ -176,7 +177,7 @@ def _run_eagerly(blocks, batch) -> None:
         for block in blocks:
             x = block(x)
     except NotImplementedError:
-        raise CheckFailed("your block still raises NotImplementedError: write it first.") from None
+        raise CheckFailed(BLANK) from None
     except Exception as error:
         raise CheckFailed(f"your block raised {type(error).__name__} when run eagerly: {error}. Run it on a "
                           "batch uncompiled first.") from None
@@ -235,8 +236,8 @@ MISTAKES = (
             lambda r: f"your blocks' results differ from the original's on both batches (by up to "
             f"{max(r.difference.values()):.3g}): the same formula computed with other float operations (a "
             "division for a multiplication, a power computed in float32 where the original computes it in "
-            "Python's double) gives other bits, and a compiled model is only comparable with eager when its operations "
-            "are eager's. (Hint 3)"),
+            "Python's double) gives other bits, and a compiled model is only comparable with eager when its "
+            "operations are eager's. (Hint 3)"),
 )
 
 
